@@ -1,0 +1,75 @@
+"""Backend choice (``FLASHDORA_BACKEND=auto|triton|eager``) and the per-path call counters behind ``stats()``."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+
+import torch
+
+BACKENDS = ("auto", "triton", "eager")
+
+_counts: Counter[str] = Counter()
+_warned: set[str] = set()
+
+
+def requested_backend() -> str:
+    """The backend named by ``FLASHDORA_BACKEND`` (default ``auto``); read on every call so tests can switch it."""
+    value = os.environ.get("FLASHDORA_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"FLASHDORA_BACKEND expected one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+def triton_available() -> bool:
+    """True when ``flashdora.kernels`` can launch Triton kernels (a GPU, or the CPU interpreter)."""
+    from flashdora import kernels
+
+    return kernels.HAS_TRITON
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether an op on ``tensors`` takes the Triton path.
+
+    ``auto``: Triton for CUDA tensors when Triton imports, eager otherwise. ``triton``: Triton whenever it can run
+    (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error,
+    never a silent switch. ``eager``: never.
+    """
+    backend = requested_backend()
+    if backend == "eager":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
+    if backend == "auto":
+        return on_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError("FLASHDORA_BACKEND=triton, but triton is not importable; install triton or use eager")
+    if not (on_cuda or interpreted):
+        devices = sorted({str(t.device) for t in tensors})
+        raise RuntimeError(
+            f"FLASHDORA_BACKEND=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got devices {devices}"
+        )
+    return True
+
+
+def count(path: str, n: int = 1) -> None:
+    """Add ``n`` calls to the counter of ``path`` (e.g. ``eager``, ``triton``, ``peft_fallback:conv``)."""
+    _counts[path] += n
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn with ``message`` the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def stats() -> dict[str, int]:
+    """A copy of the call counters: ``{path: calls}``."""
+    return dict(_counts)
+
+
+def reset_stats() -> None:
+    """Zero every counter (the one-time warnings stay given)."""
+    _counts.clear()

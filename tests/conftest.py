@@ -1,0 +1,30 @@
+import os
+
+import torch
+
+# The Triton interpreter must be chosen before triton is imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_clean_state(monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.delenv("FLASHDORA_BACKEND", raising=False)
+    yield
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"

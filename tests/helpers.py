@@ -1,0 +1,54 @@
+"""Shared test helpers: the tolerance table, float64 comparisons and input factories."""
+
+import os
+
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Relative error bars (||out - ref|| / ||ref|| against float64). The Triton 3.9 interpreter truncates fp32->bf16
+# stores instead of rounding, which roughly doubles bf16 error; only interpreter bars are widened for it.
+RTOL = {
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2 if INTERPRETED else 1e-2,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, computed in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().flatten(), ref.double().flatten()
+    return (out @ ref / (out.norm() * ref.norm()).clamp_min(1e-300)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, what: str = "output") -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = rel_err(out, ref)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN in place (for outputs a kernel must overwrite)."""
+    return t.fill_(float("nan"))
+
+
+def dora_inputs(d_in, d_out, r, lead=(2, 3), dtype=torch.float32, device="cpu", bias=True, g_near_one=False):
+    """Fresh random DoRA layer inputs; ``g_near_one`` puts magnitudes within 1e-3 of the row norms."""
+    x = torch.randn(*lead, d_in, device=device, dtype=dtype)
+    weight = torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5
+    b = torch.randn(d_out, device=device, dtype=dtype) if bias else None
+    lora_A = torch.randn(r, d_in, device=device, dtype=dtype) / d_in**0.5
+    lora_B = torch.randn(d_out, r, device=device, dtype=dtype) / r**0.5
+    scaling = 0.7
+    norm = (weight.double() + scaling * lora_B.double() @ lora_A.double()).norm(dim=1)
+    if g_near_one:
+        magnitude = (norm * (1 + 1e-3 * (2 * torch.rand_like(norm) - 1))).float()
+    else:
+        magnitude = (norm * (0.5 + torch.rand_like(norm))).float()
+    return dict(x=x, weight=weight, bias=b, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, scaling=scaling)
