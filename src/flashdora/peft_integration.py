@@ -1,0 +1,191 @@
+"""The PEFT seam: a ``LoraVariant`` for DoRA Linear layers, ``enable``/``disable`` per model, ``patch_peft`` per process.
+
+PEFT keeps one variant object per (layer, adapter) in ``module.lora_variant``. Its class decides the path:
+
+- ``FlashDoraLinearVariant`` (set by ``enable``): flashdora, always.
+- ``PeftDoraLinearVariant`` (set by ``disable``): PEFT's own DoRA, always.
+- PEFT's ``DoraLinearVariant`` (what PEFT creates): follows the process-wide ``patch_peft`` switch.
+
+Merge, unmerge, save and load stay PEFT's (only ``forward`` is replaced), so checkpoints keep PEFT's format.
+Cases we do not handle run PEFT's code with a one-time warning and a ``peft_fallback:<reason>`` counter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.lora import variants
+from peft.tuners.lora.layer import LoraLayer
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from flashdora import backend
+from flashdora.ops.compose import compose
+from flashdora.ops.norm import norm_from_parts
+
+_PEFT_DORA = variants.DoraLinearVariant
+_PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
+# DoRA variants of layer types flashdora does not handle: their PEFT forward runs, counted under this reason.
+_OTHER_DORA = {
+    variants.DoraEmbeddingVariant: "embedding",
+    variants.DoraConv1dVariant: "conv",
+    variants.DoraConv2dVariant: "conv",
+    variants.DoraConv3dVariant: "conv",
+}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
+    """Why flashdora cannot run this DoRA Linear layer (``None`` when it can)."""
+    base = module.get_base_layer()
+    if not isinstance(base, (nn.Linear, Conv1D)):
+        return f"base:{type(base).__name__}"
+    weight = base.weight
+    if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS:
+        return f"quantized:{type(base).__name__}"
+    lora_A, lora_B = module.lora_A[adapter], module.lora_B[adapter]
+    if lora_B.bias is not None:
+        return "lora_bias"
+    tensors = (weight, lora_A.weight, lora_B.weight, module.lora_magnitude_vector[adapter].weight)
+    if len({t.device for t in tensors}) > 1:
+        return "devices:adapter and base weight on different devices"
+    return None
+
+
+def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kwargs):
+    backend.count(f"peft_fallback:{reason}")
+    backend.warn_once(
+        f"fallback:{reason}", f"flashdora: running PEFT's own DoRA for a layer it does not handle ({reason})"
+    )
+    return peft_forward(module, active_adapter, x, result, **kwargs)
+
+
+def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs):
+    """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``."""
+    reason = unsupported_reason(module, active_adapter)
+    if reason is not None or x.device != result.device:
+        return _fallback(reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
+    base = module.get_base_layer()
+    weight = base.weight.T if module.fan_in_fan_out else base.weight
+    lora_A, lora_B = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
+    magnitude = module.lora_magnitude_vector[active_adapter].weight
+    scaling = float(module.scaling[active_adapter])
+    dropout = module.lora_dropout[active_adapter]
+    norm = norm_from_parts(weight.detach(), lora_A.detach(), lora_B.detach(), scaling)
+    if isinstance(dropout, nn.Identity) or not module.training:
+        return compose(result, x, lora_A, lora_B, magnitude, norm, scaling, bias=base.bias)
+    lora_x = dropout(x)
+    # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
+    w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
+    return compose(result, lora_x, lora_A, lora_B, magnitude, norm, scaling, lx_base=F.linear(lora_x, w))
+
+
+class FlashDoraLinearVariant(_PEFT_DORA):
+    """PEFT's DoRA Linear variant with flashdora's forward (merge/unmerge/init stay PEFT's)."""
+
+    forward = staticmethod(flash_forward)
+
+
+class PeftDoraLinearVariant(_PEFT_DORA):
+    """PEFT's DoRA Linear variant pinned to PEFT's own forward, whatever ``patch_peft`` says."""
+
+    forward = _PEFT_FORWARD
+
+
+_counting_classes: dict[type, type] = {}
+
+
+def _counting(cls: type) -> type:
+    """A subclass of a PEFT DoRA variant that counts and warns (once) before running PEFT's forward."""
+    if cls not in _counting_classes:
+        reason, peft_forward = _OTHER_DORA[cls], cls.forward
+
+        def forward(module, active_adapter, x, *args, **kwargs):
+            backend.count(f"peft_fallback:{reason}")
+            backend.warn_once(f"fallback:{reason}", f"flashdora: DoRA {reason} layers run PEFT's own code")
+            return peft_forward(module, active_adapter, x, *args, **kwargs)
+
+        _counting_classes[cls] = type(f"FlashDoraCounting{cls.__name__}", (cls,), {"forward": staticmethod(forward)})
+    return _counting_classes[cls]
+
+
+def _swap_variants(model: nn.Module, linear_cls: type) -> int:
+    """Give every DoRA variant of ``model`` the class for the wanted state; returns how many Linear ones changed."""
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, variant in list(module.lora_variant.items()):
+            kind = type(variant)
+            if kind in (_PEFT_DORA, FlashDoraLinearVariant, PeftDoraLinearVariant):
+                changed += kind is not linear_cls
+                module.lora_variant[adapter] = variant if kind is linear_cls else linear_cls()
+            elif kind in _OTHER_DORA and linear_cls is FlashDoraLinearVariant:
+                module.lora_variant[adapter] = _counting(kind)()
+            elif kind in _counting_classes.values() and linear_cls is not FlashDoraLinearVariant:
+                module.lora_variant[adapter] = kind.__mro__[1]()
+    return changed
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Run every DoRA Linear layer (``nn.Linear``, ``Conv1D``) of a PEFT ``model`` through flashdora.
+
+    Idempotent; returns ``model``. Adapters added later are PEFT's until ``enable`` is called again (or use
+    ``patch_peft``). DoRA Embedding and Conv layers keep PEFT's code, counted as ``peft_fallback:<kind>``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable: model expected a torch.nn.Module, got {type(model).__name__}")
+    _swap_variants(model, FlashDoraLinearVariant)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Put every DoRA layer of ``model`` back on PEFT's own forward, even while ``patch_peft`` is on. Idempotent."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
+    _swap_variants(model, PeftDoraLinearVariant)
+    return model
+
+
+def patch_peft() -> None:
+    """Process-wide: every PEFT DoRA Linear layer, existing or created later, runs flashdora. Idempotent.
+
+    Layers switched with ``disable(model)`` stay on PEFT. Undo with ``unpatch_peft()``.
+    """
+    _PEFT_DORA.forward = staticmethod(flash_forward)
+    for cls in _OTHER_DORA:
+        if "_flashdora_peft_forward" not in cls.__dict__:
+            counting = _counting(cls)  # captures PEFT's forward before it is replaced
+            cls._flashdora_peft_forward = cls.__dict__.get("forward")  # None: inherited from a parent class
+            cls.forward = counting.__dict__["forward"]
+
+
+def unpatch_peft() -> None:
+    """Undo ``patch_peft``: PEFT's DoRA layers run PEFT's own code again (``enable``d models stay on). Idempotent."""
+    _PEFT_DORA.forward = _PEFT_FORWARD
+    for cls in _OTHER_DORA:
+        if "_flashdora_peft_forward" in cls.__dict__:
+            original = cls.__dict__["_flashdora_peft_forward"]
+            if original is None:
+                del cls.forward
+            else:
+                cls.forward = original
+            del cls._flashdora_peft_forward
+
+
+def is_patched() -> bool:
+    return _PEFT_DORA.__dict__["forward"].__func__ is flash_forward
+
+
+def layer_path(module: LoraLayer, adapter: str) -> str:
+    """The path a DoRA adapter of ``module`` takes now: ``flashdora:<backend>``, ``peft`` or ``peft:<reason>``."""
+    kind = type(module.lora_variant.get(adapter))
+    if kind in _OTHER_DORA or kind in _counting_classes.values():
+        return f"peft:{_OTHER_DORA.get(kind) or _OTHER_DORA[kind.__mro__[1]]}"
+    if kind is PeftDoraLinearVariant or (kind is _PEFT_DORA and not is_patched()):
+        return "peft"
+    reason = unsupported_reason(module, adapter)
+    if reason is not None:
+        return f"peft:{reason}"
+    weight = module.get_base_layer().weight
+    return "flashdora:triton" if backend.use_triton(weight) else "flashdora:eager"

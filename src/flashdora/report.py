@@ -1,0 +1,65 @@
+"""``report(model)``: which DoRA modules of a model run which path, and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+from flashdora import backend
+
+
+def _rows(model: nn.Module) -> list[tuple[str, str, str, str]]:
+    from peft.tuners.lora.layer import LoraLayer
+
+    from flashdora.peft_integration import layer_path
+
+    rows = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        base = type(module.get_base_layer()).__name__
+        for adapter in module.lora_variant:
+            rows.append((name, adapter, base, layer_path(module, adapter)))
+    return rows
+
+
+def report(model: nn.Module, *, print_table: bool = True) -> str:
+    """A table of every DoRA (module, adapter) of a PEFT ``model`` with its path, plus the call counters.
+
+    Paths: ``flashdora:triton``, ``flashdora:eager``, ``peft`` (flashdora off for it), ``peft:<reason>`` (not
+    handled: the reason says why). Returns the text; prints it (through rich when installed) unless
+    ``print_table=False``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"report: model expected a torch.nn.Module, got {type(model).__name__}")
+    rows = _rows(model)
+    totals = Counter(path for *_, path in rows)
+    width = max([len(r[0]) for r in rows] + [6])
+    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<10} path"]
+    lines += [f"{n:<{width}}  {a:<10} {b:<10} {p}" for n, a, b, p in rows]
+    summary = ", ".join(f"{p}: {c}" for p, c in sorted(totals.items())) or "no DoRA layers found"
+    lines.append(f"DoRA layers by path: {summary}")
+    lines.append(f"calls since reset_stats(): {dict(sorted(backend.stats().items())) or '{}'}")
+    text = "\n".join(lines)
+    if print_table:
+        _print(rows, lines[-2:])
+    return text
+
+
+def _print(rows, footer) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is a dependency, but keep report usable without it
+        print("\n".join(" | ".join(r) for r in rows) + "\n" + "\n".join(footer))
+        return
+    table = Table(title="flashdora report")
+    for col in ("module", "adapter", "base", "path"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row, style=None if row[3].startswith("flashdora") else "yellow")
+    console = Console()
+    console.print(table)
+    for line in footer:
+        console.print(line)
