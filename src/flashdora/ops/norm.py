@@ -74,7 +74,7 @@ def norm_sq_eager(weight, lora_A, lora_B, scaling: float, chunk_size: int | None
     a_acc = lora_A.to(acc)
     if r >= d_in:
         for i in range(0, d_out, chunk):
-            rows = weight[i : i + chunk].to(acc).addmm_(lora_B[i : i + chunk].to(acc), a_acc, alpha=scaling)
+            rows = torch.addmm(weight[i : i + chunk].to(acc), lora_B[i : i + chunk].to(acc), a_acc, alpha=scaling)
             out[i : i + chunk] = torch.linalg.vector_norm(rows, dim=1).square_()
         return out
     mm_dtype = weight.dtype if weight.dtype in _HALF else acc

@@ -1,0 +1,186 @@
+import pytest
+import torch
+
+from flashdora import dora_linear, stats
+from flashdora.ops.compose import ComposeFunction, scales
+from flashdora.reference import dora_linear_ref, row_norm_ref
+from tests.helpers import RTOL, assert_close, dora_inputs, rel_err
+
+GRAD_NAMES = ("x", "lora_x", "weight", "bias", "lora_A", "lora_B", "magnitude")
+
+
+def _run(fn, i, lora_x, dy):
+    """Output and the gradients of every input (None where an input is absent)."""
+    leaves = {k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in i.items() if k != "scaling"}
+    lx = None if lora_x is None else lora_x.detach().clone().requires_grad_()
+    out = fn(leaves["x"], leaves["weight"], leaves["bias"], leaves["lora_A"], leaves["lora_B"], leaves["magnitude"],
+             i["scaling"], lora_x=lx)
+    out.backward(dy)
+    grads = {k: leaves[k].grad for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude") if leaves[k] is not None}
+    grads["lora_x"] = None if lx is None else lx.grad
+    return out, grads
+
+
+def _double(i):
+    return {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in i.items()}
+
+
+CASES = [
+    pytest.param(dict(d_in=32, d_out=24, r=8, lead=(2, 5)), id="3d-32x24-r8"),
+    pytest.param(dict(d_in=17, d_out=9, r=1, lead=(7,)), id="2d-odd-r1"),
+    pytest.param(dict(d_in=8, d_out=12, r=16, lead=(1, 1)), id="r>d_in-1token"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_lora_x", [False, True], ids=["plain", "lora_x"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_dora_linear_output_and_grads_match_float64(case, dtype, with_lora_x, bias, monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(case["d_in"], case["d_out"], case["r"], lead=case["lead"], dtype=dtype, bias=bias)
+    i["magnitude"] = i["magnitude"].to(dtype)
+    lora_x = torch.nn.functional.dropout(torch.randn_like(i["x"]), 0.2) if with_lora_x else None
+    dy = torch.randn(*case["lead"], case["d_out"], dtype=dtype)
+    out, grads = _run(dora_linear, i, lora_x, dy)
+    ref, ref_grads = _run(dora_linear_ref, _double(i), None if lora_x is None else lora_x.double(), dy.double())
+    assert out.dtype == dtype
+    tol = RTOL[dtype]
+    assert_close(out, ref, tol, "y")
+    for name in GRAD_NAMES:
+        if ref_grads.get(name) is None:
+            assert grads.get(name) is None, name
+            continue
+        assert grads[name].dtype == dtype, name
+        assert_close(grads[name], ref_grads[name], 3 * tol if dtype != torch.float32 else 1e-4, f"d{name}")
+
+
+def test_non_contiguous_x(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(16, 10, 4, lead=(6, 3))
+    i["x"] = i["x"].transpose(0, 1)  # [3, 6, 16], non-contiguous
+    assert not i["x"].is_contiguous()
+    dy = torch.randn(3, 6, 10)
+    out, grads = _run(dora_linear, i, None, dy)
+    ref, ref_grads = _run(dora_linear_ref, _double(i), None, dy.double())
+    assert_close(out, ref, 1e-5, "y")
+    for name in ("x", "lora_A", "lora_B", "magnitude"):
+        assert_close(grads[name], ref_grads[name], 1e-4, f"d{name}")
+
+
+@pytest.mark.parametrize("with_lora_x", [False, True], ids=["plain", "lora_x"])
+def test_compose_gradcheck_float64(with_lora_x, monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = _double(dora_inputs(6, 5, 3, lead=(4,)))
+    norm = row_norm_ref(i["weight"], i["lora_A"], i["lora_B"], i["scaling"])  # a constant for the op
+    result = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    lx = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    lx_base = torch.randn(4, 5, dtype=torch.float64, requires_grad=True) if with_lora_x else None
+    bias = None if with_lora_x else i["bias"].requires_grad_()
+    a, b, m = (i[k].requires_grad_() for k in ("lora_A", "lora_B", "magnitude"))
+    f = lambda result, lx, lx_base, bias, a, b, m: ComposeFunction.apply(result, lx, lx_base, bias, a, b, m, norm, 0.7)
+    assert torch.autograd.gradcheck(f, (result, lx, lx_base, bias, a, b, m))
+
+
+def test_autocast_bf16_with_fp32_adapters(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(64, 48, 8, lead=(4, 8))
+    i["weight"] = i["weight"].bfloat16()
+    i["bias"] = i["bias"].bfloat16()
+    dy = torch.randn(4, 8, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _run(dora_linear, i, None, dy.bfloat16())
+    ref, ref_grads = _run(dora_linear_ref, _double(i), None, dy.double())
+    assert out.dtype == torch.bfloat16
+    assert grads["lora_A"].dtype == grads["lora_B"].dtype == grads["magnitude"].dtype == torch.float32
+    assert_close(out, ref, RTOL[torch.bfloat16], "y")
+    for name in ("x", "lora_A", "lora_B", "magnitude"):
+        assert_close(grads[name], ref_grads[name], 3 * RTOL[torch.bfloat16], f"d{name}")
+
+
+def _peft_formula_bf16(i, lora_x):
+    """PEFT's DoRA arithmetic in bf16: base and lora in bf16, the norm rounded to bf16, then (g - 1) * base."""
+    x, w, a, b = (i[k].bfloat16() for k in ("x", "weight", "lora_A", "lora_B"))
+    lx = lora_x.bfloat16()
+    norm = torch.linalg.vector_norm((w.float() + i["scaling"] * (b @ a).float()), dim=1).bfloat16()
+    g = (i["magnitude"] / norm).view(1, -1)
+    result = torch.nn.functional.linear(x, w, i["bias"].bfloat16())
+    base = torch.nn.functional.linear(lx, w)
+    lora = torch.nn.functional.linear(torch.nn.functional.linear(lx, a), b)
+    return (result + (g - 1) * base + g * lora * i["scaling"]).bfloat16()
+
+
+def test_bf16_error_no_worse_than_peft_near_g_equal_1(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(256, 192, 16, lead=(64,), g_near_one=True)
+    lora_x = torch.nn.functional.dropout(i["x"], 0.1)
+    ref = dora_linear_ref(*(_double(i)[k] for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude")),
+                          i["scaling"], lora_x=lora_x.double())
+    bf = {k: (v.bfloat16() if isinstance(v, torch.Tensor) and k != "magnitude" else v) for k, v in i.items()}
+    out = dora_linear(bf["x"], bf["weight"], bf["bias"], bf["lora_A"], bf["lora_B"], i["magnitude"], i["scaling"],
+                      lora_x=lora_x.bfloat16())
+    ours, peft = rel_err(out, ref), rel_err(_peft_formula_bf16(i, lora_x), ref)
+    assert ours <= peft, (ours, peft)
+
+
+def test_zero_norm_row_outputs_bias_and_zero_grads(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(12, 6, 3, lead=(5,))
+    i["weight"][1] = 0
+    i["lora_B"][1] = 0
+    dy = torch.randn(5, 6)
+    out, grads = _run(dora_linear, i, None, dy)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, 1], i["bias"][1].expand(5))
+    for name, grad in grads.items():
+        assert grad is None or torch.isfinite(grad).all(), name
+    assert grads["magnitude"][1] == 0
+
+
+def test_scales_are_exact_near_one():
+    norm = torch.tensor([3.0, 5.0, 0.0], dtype=torch.float32)
+    m = norm * torch.tensor([1 + 2**-20, 1.0, 1.0])
+    g, gm1, inv = scales(m, norm)
+    assert gm1[0].item() == pytest.approx(2**-20, rel=1e-6) and gm1[1] == 0
+    assert (g[2], gm1[2], inv[2]) == (0, -1, 0)
+
+
+def test_counts_eager_calls(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    i = dora_inputs(8, 4, 2)
+    before = stats().get("eager", 0)
+    dora_linear(i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+    assert stats()["eager"] == before + 1
+
+
+def _args(**change):
+    args = dict(x=torch.randn(3, 8), weight=torch.randn(6, 8), bias=torch.randn(6), lora_A=torch.randn(4, 8),
+                lora_B=torch.randn(6, 4), magnitude=torch.rand(6), scaling=0.5)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(x=torch.randn(3, 7)), ValueError, r"x expected shape \[\.\.\., 8\]"),
+        (dict(lora_B=torch.randn(6, 2)), ValueError, r"lora_B expected shape \[d_out, r\] = \[6, 4\]"),
+        (dict(magnitude=torch.rand(5)), ValueError, r"magnitude expected shape \[6\]"),
+        (dict(bias=torch.randn(7)), ValueError, r"bias expected shape \[6\]"),
+        (dict(x=torch.randn(3, 8).double()), TypeError, "x expected dtype torch.float32"),
+        (dict(magnitude=torch.ones(6, dtype=torch.int64)), TypeError, "magnitude expected a floating dtype"),
+        (dict(scaling=float("inf")), ValueError, "scaling expected a finite number, got inf"),
+        (dict(magnitude=torch.rand(6, device="meta")), ValueError, "magnitude expected device cpu"),
+    ],
+)
+def test_named_errors(change, error, match):
+    args = _args(**change)
+    with pytest.raises(error, match=f"dora_linear: .*{match}"):
+        dora_linear(args.pop("x"), **{k: args[k] for k in ("weight", "bias", "lora_A", "lora_B", "magnitude")},
+                    scaling=args["scaling"])
+
+
+def test_lora_x_shape_error():
+    args = _args()
+    with pytest.raises(ValueError, match=r"dora_linear: lora_x expected shape \[3, 8\]"):
+        dora_linear(**args, lora_x=torch.randn(2, 8))

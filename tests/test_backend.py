@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from flashdora import backend, dora_linear, reset_stats, stats
+from tests.helpers import dora_inputs
+
+
+def test_default_is_auto(monkeypatch):
+    monkeypatch.delenv("FLASHDORA_BACKEND", raising=False)
+    assert backend.requested_backend() == "auto"
+
+
+@pytest.mark.parametrize("value", ["eager", "TRITON", " auto "])
+def test_known_values(monkeypatch, value):
+    monkeypatch.setenv("FLASHDORA_BACKEND", value)
+    assert backend.requested_backend() == value.strip().lower()
+
+
+def test_unknown_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "cuda-graphs")
+    i = dora_inputs(8, 4, 2)
+    with pytest.raises(ValueError, match="FLASHDORA_BACKEND expected one of auto, triton, eager, got 'cuda-graphs'"):
+        dora_linear(i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+
+
+def test_auto_on_cpu_is_eager(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "auto")
+    assert not backend.use_triton(torch.zeros(1))
+
+
+def test_eager_never_uses_triton(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+    assert not backend.use_triton(torch.zeros(1))
+
+
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not backend.triton_available():
+        with pytest.raises(RuntimeError, match="triton is not importable"):
+            backend.use_triton(torch.zeros(1))
+    else:
+        with pytest.raises(RuntimeError, match=r"needs CUDA tensors .* got devices \['cpu'\]"):
+            backend.use_triton(torch.zeros(1))
+
+
+def test_triton_without_triton_is_an_error(monkeypatch):
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="triton is not importable"):
+        backend.use_triton(torch.zeros(1))
+    monkeypatch.setenv("FLASHDORA_BACKEND", "auto")
+    assert not backend.use_triton(torch.zeros(1))
+
+
+def test_stats_and_reset():
+    reset_stats()
+    backend.count("eager")
+    backend.count("peft_fallback:conv", 2)
+    assert stats() == {"eager": 1, "peft_fallback:conv": 2}
+    snapshot = stats()
+    snapshot["eager"] = 99
+    assert stats()["eager"] == 1
+    reset_stats()
+    assert stats() == {}
+
+
+def test_warn_once():
+    with pytest.warns(UserWarning, match="only once"):
+        backend.warn_once("test-key-unique", "only once")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.warn_once("test-key-unique", "only once")

@@ -1,0 +1,268 @@
+import copy
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import flashdora
+from flashdora.demo import build_peft_model
+from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
+from tests.helpers import rel_err
+
+
+@pytest.fixture(autouse=True)
+def _unpatched():
+    flashdora.unpatch_peft()
+    yield
+    flashdora.unpatch_peft()
+
+
+def _llama(dropout=0.1, rank=8):
+    return build_peft_model("tiny", rank, dropout, "cpu", seed=0)
+
+
+def _gpt2(dropout=0.1):
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, fan_in_fan_out=True,
+                      target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(GPT2LMHeadModel(config), lora)
+
+
+MODELS = [pytest.param(_llama, 256, id="llama"), pytest.param(_gpt2, 97, id="gpt2-conv1d")]
+
+
+def _ids(vocab, seed=1):
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, ids, seed=123):
+    """Training forward+backward with a fixed dropout seed; returns loss, logits and every trainable grad."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+@torch.no_grad()
+def _eval(model, ids):
+    model.eval()
+    return model(input_ids=ids).logits
+
+
+def _assert_grads(out_grads, peft_grads, rtol=1e-4):
+    assert out_grads.keys() == peft_grads.keys()
+    assert any("magnitude" in k for k in out_grads)
+    for name, peft_grad in peft_grads.items():
+        assert rel_err(out_grads[name], peft_grad) <= rtol, name
+
+
+@pytest.mark.parametrize("make, vocab", MODELS)
+def test_eval_and_train_parity_with_peft(make, vocab):
+    peft_model = make(dropout=0.1)
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    ids = _ids(vocab)
+    flashdora.reset_stats()
+    assert rel_err(_eval(model, ids), _eval(peft_model, ids)) <= 1e-5
+    loss, logits, grads = _step(model, ids)
+    peft_loss, peft_logits, peft_grads = _step(peft_model, ids)
+    assert rel_err(logits, peft_logits) <= 1e-5 and rel_err(loss, peft_loss) <= 1e-5
+    _assert_grads(grads, peft_grads)
+    n_layers = sum(isinstance(v, FlashDoraLinearVariant) for m in model.modules()
+                   for v in getattr(m, "lora_variant", {}).values())
+    assert n_layers > 0 and flashdora.stats()["eager"] == 2 * n_layers  # one eval + one train forward each
+
+
+def test_dropout_really_applies():
+    # Guard for the parity test above: with dropout the training forward must differ from eval.
+    model = flashdora.enable(_llama(dropout=0.5))
+    ids = _ids(256)
+    train_logits = _step(model, ids)[1]
+    assert rel_err(train_logits, _eval(model, ids)) > 1e-3
+
+
+def test_gradient_checkpointing_and_input_grads():
+    peft_model = _llama(dropout=0.1)
+    peft_model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    peft_model.enable_input_require_grads()
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    ids = _ids(256)
+    loss, _, grads = _step(model, ids)
+    peft_loss, _, peft_grads = _step(peft_model, ids)
+    assert rel_err(loss, peft_loss) <= 1e-5
+    _assert_grads(grads, peft_grads)
+
+
+def test_autocast_bf16_parity():
+    peft_model = _llama(dropout=0.0)
+    peft_model.base_model.model.to(torch.bfloat16)
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # PEFT's default: fp32 adapters on a bf16 model
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    ids = _ids(256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _eval(model, ids)
+        ref = _eval(peft_model, ids)
+        loss, _, grads = _step(model, ids)
+        peft_loss, _, peft_grads = _step(peft_model, ids)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= 2e-2 and rel_err(loss, peft_loss) <= 1e-2
+    _assert_grads(grads, peft_grads, rtol=5e-2)
+
+
+def test_enable_disable_round_trip_and_idempotence():
+    model = _llama()
+    ids = _ids(256)
+    keys = list(model.state_dict())
+    ref = _eval(model, ids)
+    flashdora.enable(model)
+    flashdora.enable(model)
+    assert all(isinstance(v, FlashDoraLinearVariant) for m in model.modules()
+               for v in getattr(m, "lora_variant", {}).values())
+    flashdora.disable(model)
+    flashdora.disable(model)
+    flashdora.reset_stats()
+    assert torch.equal(_eval(model, ids), ref)
+    assert list(model.state_dict()) == keys
+    assert flashdora.stats() == {}  # PEFT's path ran: no flashdora counters
+
+
+def test_merge_unmerge_and_merge_and_unload():
+    model = flashdora.enable(_llama())
+    ids = _ids(256)
+    ref = _eval(model, ids)
+    model.merge_adapter()
+    assert rel_err(_eval(model, ids), ref) <= 1e-5
+    model.unmerge_adapter()
+    assert rel_err(_eval(model, ids), ref) <= 1e-5
+    merged = model.merge_and_unload()
+    assert rel_err(_eval(merged, ids), ref) <= 1e-5
+
+
+def test_save_with_flashdora_load_in_plain_peft_and_back(tmp_path):
+    model = flashdora.enable(_llama())
+    ids = _ids(256)
+    _step(model, ids)  # some training so the adapter differs from its init
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "magnitude" in name:
+                p.mul_(1.01)
+    ref = _eval(model, ids)
+    model.save_pretrained(tmp_path / "a")
+    base = build_peft_model("tiny", 8, 0.1, "cpu", seed=0).unload()  # the same base weights, no adapter
+    plain = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "a")
+    assert rel_err(_eval(plain, ids), ref) <= 1e-5
+    plain.save_pretrained(tmp_path / "b")
+    again = flashdora.enable(PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "b"))
+    assert rel_err(_eval(again, ids), ref) <= 1e-5
+    assert sorted((tmp_path / "a").iterdir()) and {p.name for p in (tmp_path / "a").iterdir()} == {
+        p.name for p in (tmp_path / "b").iterdir()
+    }
+
+
+def test_multiple_adapters_and_switching():
+    peft_model = _llama()
+    torch.manual_seed(5)
+    second = LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)
+    peft_model.add_adapter("other", second)
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    ids = _ids(256)
+    for name in ("default", "other", "default"):
+        model.set_adapter(name)
+        peft_model.set_adapter(name)
+        assert rel_err(_eval(model, ids), _eval(peft_model, ids)) <= 1e-5, name
+    with model.disable_adapter(), peft_model.disable_adapter():
+        assert torch.equal(_eval(model, ids), _eval(peft_model, ids))
+
+
+def test_patch_peft_covers_existing_and_new_layers():
+    existing = _llama()
+    ids = _ids(256)
+    ref = _eval(existing, ids)
+    flashdora.patch_peft()
+    flashdora.patch_peft()  # idempotent
+    flashdora.reset_stats()
+    assert rel_err(_eval(existing, ids), ref) <= 1e-5
+    created = _llama()
+    _eval(created, ids)
+    n = flashdora.stats()["eager"]
+    assert n == 2 * 14  # 2 layers x 7 projections, in both models
+    flashdora.disable(existing)  # an explicit per-model choice wins over the process-wide patch
+    flashdora.reset_stats()
+    _eval(existing, ids)
+    assert flashdora.stats() == {}
+    flashdora.unpatch_peft()
+    flashdora.unpatch_peft()
+    _eval(created, ids)
+    assert flashdora.stats() == {}
+
+
+def test_fallbacks_are_counted_and_warned():
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.conv = torch.nn.Conv2d(8, 8, 1)
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, ids):
+            h = self.emb(ids)  # [B, T, 8]
+            h = self.conv(h.transpose(1, 2)[..., None])[..., 0].transpose(1, 2)
+            return self.lin(h)
+
+    config = LoraConfig(r=2, use_dora=True, target_modules=["emb", "conv", "lin"], init_lora_weights=False)
+    peft_model = get_peft_model(Net(), config)
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    ids = torch.randint(0, 20, (2, 5))
+    flashdora.reset_stats()
+    with pytest.warns(UserWarning, match="flashdora: DoRA (embedding|conv) layers run PEFT's own code"):
+        out = model(ids)
+    assert rel_err(out, peft_model(ids)) <= 1e-5
+    counts = flashdora.stats()
+    assert counts == {"peft_fallback:embedding": 1, "peft_fallback:conv": 1, "eager": 1, "norm:eager": 1}
+    text = flashdora.report(model, print_table=False)
+    assert "peft:embedding" in text and "peft:conv" in text and "flashdora:eager" in text
+    flashdora.disable(model)
+    flashdora.reset_stats()
+    model(ids)
+    assert flashdora.stats() == {}
+
+
+def test_lora_bias_falls_back_to_peft():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    # PEFT's config refuses lora_bias with DoRA, but a bias put on lora_B by hand still reaches DoRA's forward.
+    config = LoraConfig(r=2, use_dora=True, target_modules=["0"], init_lora_weights=False)
+    peft_model = get_peft_model(net, config)
+    peft_model.base_model.model[0].lora_B["default"].bias = torch.nn.Parameter(torch.randn(6))
+    model = flashdora.enable(copy.deepcopy(peft_model))
+    x = torch.randn(3, 8)
+    flashdora.reset_stats()
+    with pytest.warns(UserWarning, match=r"lora_bias"):
+        out = model(x)
+    assert rel_err(out, peft_model(x)) <= 1e-6
+    assert flashdora.stats() == {"peft_fallback:lora_bias": 1}  # no norm either: PEFT's code ran
+    assert "peft:lora_bias" in flashdora.report(model, print_table=False)
+
+
+def test_enable_rejects_non_modules():
+    with pytest.raises(TypeError, match="enable: model expected a torch.nn.Module, got str"):
+        flashdora.enable("model")
+    with pytest.raises(TypeError, match="disable: model expected a torch.nn.Module"):
+        flashdora.disable(None)
+
+
+def test_disable_pins_peft_class():
+    model = flashdora.disable(_llama())
+    assert all(type(v) is PeftDoraLinearVariant for m in model.modules() for v in getattr(m, "lora_variant", {}).values())
