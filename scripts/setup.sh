@@ -13,18 +13,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
   "${pip[@]}" install "torch==2.13.0"
 fi
-TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
+TORCH=$("$VENV/bin/python" -W ignore -c "import torch; print(torch.__version__.split('+')[0])")
 CONSTRAINTS=$(mktemp)
 echo "torch==$TORCH" >"$CONSTRAINTS"
 extras="test"
-if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+if ! "$VENV/bin/python" -W ignore -c "import triton" 2>/dev/null; then
   # CPU machines run the kernels in Triton's interpreter; 3.9 is the version we test with.
-  "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.cuda.is_available())" && echo "triton==3.9.0" >>"$CONSTRAINTS"
+  "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(torch.cuda.is_available())" && echo "triton==3.9.0" >>"$CONSTRAINTS"
   extras="test,triton"
 fi
 "${pip[@]}" install -c "$CONSTRAINTS" -c scripts/constraints.txt -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
+"$VENV/bin/python" -W ignore -c "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
 rm -f "$CONSTRAINTS"

@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
 from flashdora.ops.compose import compose
-from flashdora.ops.norm import norm_from_parts
+from flashdora.ops.norm import NormCache, row_norm
 
 _PEFT_DORA = variants.DoraLinearVariant
 _PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
@@ -71,13 +71,24 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     magnitude = module.lora_magnitude_vector[active_adapter].weight
     scaling = float(module.scaling[active_adapter])
     dropout = module.lora_dropout[active_adapter]
-    norm = norm_from_parts(weight.detach(), lora_A.detach(), lora_B.detach(), scaling)
+    norm = row_norm(weight.detach(), lora_A.detach(), lora_B.detach(), scaling, _cache_id(module, active_adapter))
     if isinstance(dropout, nn.Identity) or not module.training:
         return compose(result, x, lora_A, lora_B, magnitude, norm, scaling, bias=base.bias)
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
     return compose(result, lora_x, lora_A, lora_B, magnitude, norm, scaling, lx_base=F.linear(lora_x, w))
+
+
+def _cache_id(module: LoraLayer, adapter: str) -> int:
+    """The norm-cache id of a (layer, adapter): registered on first eager use, or by ``enable``; -1 means none."""
+    owner = module.lora_magnitude_vector[adapter]
+    cache_id = getattr(owner, "_flashdora_cache_id", None)
+    if cache_id is None:
+        if torch.compiler.is_compiling():
+            return -1
+        cache_id = owner._flashdora_cache_id = NormCache.register(owner)
+    return cache_id
 
 
 class FlashDoraLinearVariant(_PEFT_DORA):
@@ -109,12 +120,18 @@ def _counting(cls: type) -> type:
     return _counting_classes[cls]
 
 
-def _swap_variants(model: nn.Module, linear_cls: type) -> int:
-    """Give every DoRA variant of ``model`` the class for the wanted state; returns how many Linear ones changed."""
+def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) -> int:
+    """Give every DoRA variant of ``model`` the class for the wanted state (and a fresh norm cache).
+
+    Returns how many Linear variants changed class.
+    """
     changed = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
+        for owner in module.lora_magnitude_vector.values():
+            NormCache.clear(owner)
+            owner._flashdora_cache_id = NormCache.register(owner) if norm_cache else -1
         for adapter, variant in list(module.lora_variant.items()):
             kind = type(variant)
             if kind in (_PEFT_DORA, FlashDoraLinearVariant, PeftDoraLinearVariant):
@@ -127,15 +144,22 @@ def _swap_variants(model: nn.Module, linear_cls: type) -> int:
     return changed
 
 
-def enable(model: nn.Module) -> nn.Module:
+def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
     """Run every DoRA Linear layer (``nn.Linear``, ``Conv1D``) of a PEFT ``model`` through flashdora.
 
     Idempotent; returns ``model``. Adapters added later are PEFT's until ``enable`` is called again (or use
     ``patch_peft``). DoRA Embedding and Conv layers keep PEFT's code, counted as ``peft_fallback:<kind>``.
+
+    Args:
+        model: a PEFT model (or any module holding PEFT LoRA layers).
+        norm_cache: keep each layer's norm until its weights change (default; ``FLASHDORA_NORM_CACHE=0`` turns it
+            off process-wide). Calling ``enable`` again clears the cache, e.g. after writing weights via ``.data``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: model expected a torch.nn.Module, got {type(model).__name__}")
-    _swap_variants(model, FlashDoraLinearVariant)
+    if not isinstance(norm_cache, bool):
+        raise TypeError(f"enable: norm_cache expected a bool, got {type(norm_cache).__name__}")
+    _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     return model
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashdora import dora_linear, stats
-from flashdora.ops.compose import ComposeFunction, scales
+from flashdora.ops.compose import compose, scales
 from flashdora.reference import dora_linear_ref, row_norm_ref
 from tests.helpers import RTOL, assert_close, dora_inputs, rel_err
 
@@ -78,7 +78,7 @@ def test_compose_gradcheck_float64(with_lora_x, monkeypatch):
     lx_base = torch.randn(4, 5, dtype=torch.float64, requires_grad=True) if with_lora_x else None
     bias = None if with_lora_x else i["bias"].requires_grad_()
     a, b, m = (i[k].requires_grad_() for k in ("lora_A", "lora_B", "magnitude"))
-    f = lambda result, lx, lx_base, bias, a, b, m: ComposeFunction.apply(result, lx, lx_base, bias, a, b, m, norm, 0.7)
+    f = lambda result, lx, lx_base, bias, a, b, m: compose(result, lx, a, b, m, norm, 0.7, bias=bias, lx_base=lx_base)
     assert torch.autograd.gradcheck(f, (result, lx, lx_base, bias, a, b, m))
 
 

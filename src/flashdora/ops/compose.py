@@ -1,16 +1,19 @@
-"""``dora_linear`` and the DoRA compose op: public function, autograd boundary, eager forward and backward.
+"""``dora_linear`` and the DoRA compose op: public function, custom ops with autograd, eager forward and backward.
 
 The op takes the base layer's output (``result = x W^T + bias``, as PEFT hands it to its variants) and adds the
-DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Math: docs/math.md.
+DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. ``flashdora::compose_fwd``
+and ``flashdora::compose_bwd`` are ``torch.library`` custom ops (fake implementations, autograd attached), so
+``torch.compile`` traces through them without graph breaks. Math: docs/math.md.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from flashdora import _checks, backend
-from flashdora.ops.norm import norm_from_parts
+from flashdora.ops.norm import row_norm
 
 
 def scales(magnitude: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,76 +66,153 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
     return lora_A.dtype
 
 
-class ComposeFunction(torch.autograd.Function):
-    """``result`` (+ ``lx_base``) and the LoRA path of ``lx`` -> DoRA output. See ``compose``."""
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """The stand-in for an absent output (custom ops return tensors, never None)."""
+    return like.new_empty(0)
 
-    @staticmethod
-    def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm, scaling):
-        device_type = result.device.type
-        cd = _compute_dtype(device_type, lora_A)
-        triton = backend.use_triton(result)
-        backend.count("triton" if triton else "eager")
-        with torch.autocast(device_type, enabled=False):
-            lx_c = lx.to(cd)
-            a = F.linear(lx_c, lora_A.to(cd))  # [..., r]
-            lora = F.linear(a, lora_B.to(cd))  # [..., d_out]
-            g, gm1, inv = scales(magnitude, norm)
-            if triton:
-                from flashdora.kernels.compose import compose_fwd
-            else:
-                compose_fwd = compose_fwd_eager
-            y, inner = compose_fwd(result, lora, g, gm1, scaling, bias, lx_base, save_inner=ctx.needs_input_grad[6])
-        ctx.save_for_backward(lx_c, a, inner, lora_A, lora_B, g, gm1, inv)
-        ctx.meta = (cd, scaling, lx_base is not None, bias is not None, lx.dtype, triton)
-        return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        lx_c, a, inner, lora_A, lora_B, g, gm1, inv = ctx.saved_tensors
-        cd, scaling, has_lx_base, has_bias, lx_dtype, triton = ctx.meta
-        needs = ctx.needs_input_grad
+@torch.library.custom_op("flashdora::compose_fwd", mutates_args=())
+def compose_fwd_op(
+    result: Tensor,
+    lx: Tensor,
+    lx_base: Tensor | None,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    norm: Tensor,
+    scaling: float,
+    compute_dtype: torch.dtype,
+    save_inner: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """DoRA output ``y`` plus what backward needs: ``a = lx A^T``, ``inner`` and ``lx`` in the matmul dtype.
+
+    ``inner`` is empty unless ``save_inner``; the cast ``lx`` is empty when ``lx`` already has the matmul dtype
+    (backward then uses ``lx`` itself).
+    """
+    triton = backend.use_triton(result)
+    backend.count("triton" if triton else "eager")
+    with torch.autocast(result.device.type, enabled=False):
+        lx_c = lx.to(compute_dtype)
+        a = F.linear(lx_c, lora_A.to(compute_dtype))  # [..., r]
+        lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
+        g, gm1, _ = scales(magnitude, norm)
         if triton:
-            from flashdora.kernels.compose import compose_bwd
+            from flashdora.kernels.compose import compose_fwd
         else:
-            compose_bwd = compose_bwd_eager
-        with torch.autocast(dy.device.type, enabled=False):
-            gdy, d_lx_base, dg = compose_bwd(dy.contiguous(), inner, g, gm1, has_lx_base)
-            d_result = dy if has_lx_base else gdy
-            d_bias = None
-            if has_bias and not has_lx_base and needs[3]:
-                d_bias = -(gm1 * dy.reshape(-1, dy.shape[-1]).to(g.dtype).sum(0))
-            d_lx = d_A = d_B = None
-            if needs[1] or needs[4] or needs[5]:
-                gdy_c = gdy.to(cd).reshape(-1, gdy.shape[-1])  # [T, d_out]
-                da = (gdy_c @ lora_B.to(cd)).mul_(scaling)  # [T, r]
-                if needs[5]:
-                    d_B = (gdy_c.T @ a.reshape(-1, a.shape[-1])).mul_(scaling)
-                if needs[4]:
-                    d_A = da.T @ lx_c.reshape(-1, lx_c.shape[-1])
-                if needs[1]:
-                    d_lx = (da @ lora_A.to(cd)).reshape(lx_c.shape).to(lx_dtype)
-            d_m = None if dg is None else dg * inv
-        return (
-            d_result if needs[0] else None,
-            d_lx,
-            d_lx_base if needs[2] else None,
-            d_bias,
-            None if d_A is None else d_A.to(lora_A.dtype),
-            None if d_B is None else d_B.to(lora_B.dtype),
-            d_m,
-            None,
-            None,
-        )
+            compose_fwd = compose_fwd_eager
+        y, inner = compose_fwd(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+    inner = _empty(result) if inner is None else inner.contiguous()
+    return y.contiguous(), a, inner, _empty(lx) if lx_c is lx else lx_c
 
 
-def compose(result, lx, lora_A, lora_B, magnitude, norm, scaling, *, bias=None, lx_base=None) -> torch.Tensor:
+@compose_fwd_op.register_fake
+def _(result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm, scaling, compute_dtype, save_inner):
+    a = lx.new_empty((*lx.shape[:-1], lora_A.shape[0]), dtype=compute_dtype)
+    inner = result.new_empty(result.shape) if save_inner else _empty(result)
+    lx_c = _empty(lx) if lx.dtype == compute_dtype else lx.new_empty(lx.shape, dtype=compute_dtype)
+    return result.new_empty(result.shape), a, inner, lx_c
+
+
+@torch.library.custom_op("flashdora::compose_bwd", mutates_args=())
+def compose_bwd_op(
+    dy: Tensor,
+    lx: Tensor,
+    a: Tensor,
+    inner: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    norm: Tensor,
+    scaling: float,
+    has_lx_base: bool,
+    has_bias: bool,
+    needs: list[bool],
+) -> list[Tensor]:
+    """Gradients ``[d_result (g dy), d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``; empty where not needed.
+
+    ``needs`` follows that order; ``d_result`` is only computed without ``lx_base`` (with it, it is ``dy``).
+    ``lx`` is the LoRA input in the matmul dtype; ``inner`` is empty when ``magnitude`` needs no gradient.
+    """
+    cd = a.dtype
+    g, gm1, inv = scales(magnitude, norm)
+    if backend.use_triton(dy):
+        from flashdora.kernels.compose import compose_bwd
+    else:
+        compose_bwd = compose_bwd_eager
+    with torch.autocast(dy.device.type, enabled=False):
+        gdy, d_lx_base, dg = compose_bwd(dy.contiguous(), inner if inner.numel() else None, g, gm1, has_lx_base)
+        out = [_empty(dy) for _ in range(7)]
+        if needs[0] and not has_lx_base:
+            out[0] = gdy
+        if needs[2] and has_lx_base:
+            out[2] = d_lx_base
+        if needs[3] and has_bias and not has_lx_base:
+            out[3] = -(gm1 * dy.reshape(-1, dy.shape[-1]).to(g.dtype).sum(0))
+        if needs[1] or needs[4] or needs[5]:
+            gdy_c = gdy.to(cd).reshape(-1, gdy.shape[-1])  # [T, d_out]
+            da = (gdy_c @ lora_B.to(cd)).mul_(scaling)  # [T, r]
+            if needs[5]:
+                out[5] = (gdy_c.T @ a.reshape(-1, a.shape[-1])).mul_(scaling).to(lora_B.dtype)
+            if needs[4]:
+                out[4] = (da.T @ lx.reshape(-1, lx.shape[-1])).to(lora_A.dtype)
+            if needs[1]:
+                out[1] = (da @ lora_A.to(cd)).reshape(lx.shape)
+        if needs[6] and dg is not None:
+            out[6] = (dg * inv).to(magnitude.dtype)
+    return out
+
+
+@compose_bwd_op.register_fake
+def _(dy, lx, a, inner, lora_A, lora_B, magnitude, norm, scaling, has_lx_base, has_bias, needs):
+    shapes = [
+        (dy, not has_lx_base),
+        (lx.new_empty(lx.shape, dtype=a.dtype), True),
+        (dy, has_lx_base),
+        (magnitude.new_empty(dy.shape[-1], dtype=torch.promote_types(magnitude.dtype, torch.float32)), not has_lx_base),
+        (lora_A, True),
+        (lora_B, True),
+        (magnitude, inner.numel() > 0),
+    ]
+    return [t.new_empty(t.shape) if need and ok else _empty(dy) for (t, ok), need in zip(shapes, needs)]
+
+
+def _setup_context(ctx, inputs, output):
+    result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm, scaling, _, _ = inputs
+    _, a, inner, lx_c = output
+    ctx.save_for_backward(lx_c if lx_c.numel() else lx, a, inner, lora_A, lora_B, magnitude, norm)
+    ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, result.dtype)
+
+
+def _backward(ctx, dy, _da, _dinner, _dlx_c):
+    lx, a, inner, lora_A, lora_B, magnitude, norm = ctx.saved_tensors
+    scaling, has_lx_base, has_bias, lx_dtype, result_dtype = ctx.meta
+    n = ctx.needs_input_grad
+    needs = [n[0], n[1], n[2], n[3], n[4], n[5], n[6]]
+    grads = compose_bwd_op(dy, lx, a, inner, lora_A, lora_B, magnitude, norm, scaling, has_lx_base, has_bias, needs)
+    grads = [g if need and g.numel() else None for g, need in zip(grads, needs)]
+    d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m = grads
+    if has_lx_base and n[0]:
+        d_result = dy
+    if d_lx is not None:
+        d_lx = d_lx.to(lx_dtype)
+    return d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m, None, None, None, None
+
+
+compose_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compose(result, lx, lora_A, lora_B, magnitude, norm, scaling, *, bias=None, lx_base=None) -> Tensor:
     """The DoRA output from the base layer's ``result = x W^T + bias`` (validated inputs; PEFT's variant calls this).
 
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
     ``g = magnitude / norm`` with ``norm`` treated as a constant. Output dtype: ``result.dtype``.
     """
-    return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm.detach(), scaling)
+    cd = _compute_dtype(result.device.type, lora_A)
+    save_inner = magnitude.requires_grad and torch.is_grad_enabled()
+    y, *_ = compose_fwd_op(result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm.detach(), scaling, cd, save_inner)
+    return y
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:
@@ -186,7 +266,7 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
         _checks.same_device(fn, "lora_x", lora_x, x, "x")
     scaling = _checks.scaling(fn, scaling)
 
-    norm = norm_from_parts(weight.detach(), lora_A.detach(), lora_B.detach(), scaling)
+    norm = row_norm(weight.detach(), lora_A.detach(), lora_B.detach(), scaling, -1)
     result = F.linear(x, weight, bias)
     if lora_x is None:
         return compose(result, x, lora_A, lora_B, magnitude, norm, scaling, bias=bias)

@@ -1,6 +1,13 @@
-"""``factored_norm``: the DoRA row norm ``||W + s B A||`` without forming ``B @ A`` (derivation: docs/math.md)."""
+"""``factored_norm``: the DoRA row norm ``||W + s B A||`` without forming ``B @ A`` (derivation: docs/math.md).
+
+Also the op ``flashdora::row_norm`` behind it, which keeps each DoRA layer's norm for as long as its weights are
+unchanged (the norm never depends on the input): see ``NormCache``.
+"""
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import torch
 
@@ -24,7 +31,8 @@ def factored_norm(weight, lora_A, lora_B, scaling, *, chunk_size=None) -> torch.
     dtype differs from ``weight``'s). With 16-bit ``weight`` the cross-term GEMM runs on 16-bit operands (tensor
     cores on the GPU) with ``lora_A`` cast to ``weight``'s dtype; float32 weights keep float32 operands. When
     ``r >= d_in`` the factored terms are larger than the dense row chunk, so each chunk forms ``W_c + s B_c A`` for
-    its own rows instead. Tiny negative round-off is clamped to 0 before the square root.
+    its own rows instead. Tiny negative round-off is clamped to 0 before the square root. On CUDA tensors the
+    fused Triton kernel computes the same sum (``FLASHDORA_BACKEND``); ``chunk_size`` applies to the eager path.
 
     The result carries no autograd history: DoRA treats the norm as a constant (paper, sec. 4.3).
 
@@ -47,12 +55,12 @@ def factored_norm(weight, lora_A, lora_B, scaling, *, chunk_size=None) -> torch.
     scaling = _checks.scaling(fn, scaling)
     if chunk_size is not None:
         chunk_size = _checks.positive_int(fn, "chunk_size", chunk_size)
-    return norm_from_parts(weight, lora_A, lora_B, scaling, chunk_size)
+    return compute_norm(weight.detach(), lora_A.detach(), lora_B.detach(), scaling, chunk_size)
 
 
 @torch.no_grad()
-def norm_from_parts(weight, lora_A, lora_B, scaling: float, chunk_size: int | None = None) -> torch.Tensor:
-    """The validated core of ``factored_norm`` (also called by ``dora_linear`` and the PEFT variant)."""
+def compute_norm(weight, lora_A, lora_B, scaling: float, chunk_size: int | None = None, w_sq=None) -> torch.Tensor:
+    """The validated core: one norm computation on the backend's path, counted as ``norm:<path>``."""
     if backend.use_triton(weight, lora_A, lora_B):
         from flashdora.kernels.norm import factored_norm_sq
 
@@ -60,12 +68,20 @@ def norm_from_parts(weight, lora_A, lora_B, scaling: float, chunk_size: int | No
         sq = factored_norm_sq(weight, lora_A, lora_B, scaling)
     else:
         backend.count("norm:eager")
-        sq = norm_sq_eager(weight, lora_A, lora_B, scaling, chunk_size)
+        sq = norm_sq_eager(weight, lora_A, lora_B, scaling, chunk_size, w_sq)
     return sq.clamp_min_(0.0).sqrt_()
 
 
-def norm_sq_eager(weight, lora_A, lora_B, scaling: float, chunk_size: int | None = None) -> torch.Tensor:
-    """Chunked float32-accumulating ``||W + s B A||^2`` per row, in plain torch."""
+def weight_sq_eager(weight, chunk_size: int | None = None) -> torch.Tensor:
+    """``||W||^2`` per row, float32 accumulation (float64 for float64 weights), chunked like the norm."""
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    chunk = chunk_size or default_chunk_size(weight.shape[1], 1)
+    parts = [torch.linalg.vector_norm(weight[i : i + chunk], dim=1, dtype=acc) for i in range(0, len(weight), chunk)]
+    return torch.cat(parts).square_()
+
+
+def norm_sq_eager(weight, lora_A, lora_B, scaling: float, chunk_size: int | None = None, w_sq=None) -> torch.Tensor:
+    """Chunked float32-accumulating ``||W + s B A||^2`` per row, in plain torch; ``w_sq``: a known ``||W||^2``."""
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     chunk = chunk_size or default_chunk_size(d_in, r)
@@ -83,9 +99,79 @@ def norm_sq_eager(weight, lora_A, lora_B, scaling: float, chunk_size: int | None
     for i in range(0, d_out, chunk):
         w = weight[i : i + chunk].to(mm_dtype)  # [c, d_in], a no-op unless weight is float32 beside float64
         b = lora_B[i : i + chunk].to(acc)  # [c, r]
-        sq = torch.linalg.vector_norm(w, dim=1, dtype=acc).square_()
+        if w_sq is None:
+            sq = torch.linalg.vector_norm(w, dim=1, dtype=acc).square_()
+        else:
+            sq = w_sq[i : i + chunk].to(acc, copy=True)
         cross = (w @ a_mm.T).to(acc)  # [c, r]
         sq += (2.0 * scaling) * (cross * b).sum(1)
         sq += (scaling * scaling) * ((b @ gram) * b).sum(1)
         out[i : i + chunk] = sq
     return out
+
+
+def cache_enabled() -> bool:
+    """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
+    return os.environ.get("FLASHDORA_NORM_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    # The version counter moves on every in-place write through autograd-visible aliases (optimizer steps,
+    # load_state_dict, copy_ under no_grad); data_ptr moves when storage is swapped (`.data =`, `.to()`).
+    return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
+
+
+class NormCache:
+    """Per-layer norm storage, O(d_out): the layer's norm and its ``||W||^2``, each with the key it was made for.
+
+    Entries live on an owner object (PEFT's per-adapter ``DoraLinearLayer``) and die with it; the op finds them
+    by ``id(owner)``. Writes through ``.data`` (``p.data.copy_(...)``) bypass version counters and are not seen:
+    call ``flashdora.clear_norm_cache(model)`` after such edits, or set ``FLASHDORA_NORM_CACHE=0``.
+    """
+
+    _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    @classmethod
+    def register(cls, owner) -> int:
+        cls._owners[id(owner)] = owner
+        return id(owner)
+
+    @classmethod
+    def lookup(cls, cache_id: int, weight, lora_A, lora_B, scaling: float) -> torch.Tensor:
+        owner = cls._owners.get(cache_id)
+        if owner is None or not cache_enabled():
+            return compute_norm(weight, lora_A, lora_B, scaling)
+        key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling)
+        entry = owner.__dict__.get("_flashdora_norm")
+        if entry is not None and entry[0] == key:
+            backend.count("norm:cached")
+            return entry[1]
+        w_entry = owner.__dict__.get("_flashdora_w_sq")
+        w_sq = None
+        if not backend.use_triton(weight, lora_A, lora_B):  # the fused kernel gets ||W||^2 from the same read of W
+            if w_entry is None or w_entry[0] != key[0]:
+                w_entry = (key[0], weight_sq_eager(weight))
+                owner.__dict__["_flashdora_w_sq"] = w_entry
+            w_sq = w_entry[1]
+        norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
+        owner.__dict__["_flashdora_norm"] = (key, norm)
+        return norm
+
+    @staticmethod
+    def clear(owner) -> None:
+        owner.__dict__.pop("_flashdora_norm", None)
+        owner.__dict__.pop("_flashdora_w_sq", None)
+
+
+@torch.library.custom_op("flashdora::row_norm", mutates_args=())
+def row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, cache_id: int) -> (
+    torch.Tensor
+):
+    """``||W + s B A||_row`` (float32), from the layer's cache when ``cache_id`` names a registered owner."""
+    return NormCache.lookup(cache_id, weight, lora_A, lora_B, scaling).clone()  # callers may not alias the cache
+
+
+@row_norm.register_fake
+def _(weight, lora_A, lora_B, scaling, cache_id):
+    dtype = torch.float64 if torch.float64 in (weight.dtype, lora_A.dtype, lora_B.dtype) else torch.float32
+    return weight.new_empty(weight.shape[0], dtype=dtype)

@@ -1,0 +1,151 @@
+"""The norm cache: one norm per weight version, never a stale one."""
+
+import copy
+import random
+
+import pytest
+import torch
+from peft import LoraConfig
+
+import flashdora
+from flashdora.demo import build_peft_model
+
+N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections
+
+
+def _model(dropout=0.0):
+    model = build_peft_model("tiny", 4, dropout, "cpu")
+    model.base_model.model.config.use_cache = False
+    return flashdora.enable(model)
+
+
+def _ids(seed):
+    return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _norm_computations():
+    counts = flashdora.stats()
+    return counts.get("norm:eager", 0) + counts.get("norm:triton", 0)
+
+
+def _logits_without_cache(model, ids, monkeypatch):
+    monkeypatch.setenv("FLASHDORA_NORM_CACHE", "0")
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    monkeypatch.delenv("FLASHDORA_NORM_CACHE")
+    return out
+
+
+def test_eval_computes_each_norm_once():
+    model = _model().eval()
+    flashdora.reset_stats()
+    with torch.no_grad():
+        for seed in range(5):
+            model(input_ids=_ids(seed))
+    assert _norm_computations() == N_LAYERS
+    assert flashdora.stats()["norm:cached"] == 4 * N_LAYERS
+
+
+def test_one_norm_per_optimizer_step_with_accumulation_and_checkpointing():
+    model = _model(dropout=0.1)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        flashdora.reset_stats()
+        for micro in range(4):
+            model(input_ids=_ids(10 * step + micro), labels=_ids(10 * step + micro)).loss.backward()
+        assert _norm_computations() == N_LAYERS, (step, flashdora.stats())
+        assert flashdora.stats()["eager"] == 8 * N_LAYERS  # 4 forwards + 4 checkpoint recomputations
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_cache_can_be_turned_off(how, monkeypatch):
+    if how == "env":
+        monkeypatch.setenv("FLASHDORA_NORM_CACHE", "0")
+        model = _model().eval()
+    else:
+        model = flashdora.enable(_model(), norm_cache=False).eval()
+    flashdora.reset_stats()
+    with torch.no_grad():
+        for seed in range(3):
+            model(input_ids=_ids(seed))
+    assert _norm_computations() == 3 * N_LAYERS and "norm:cached" not in flashdora.stats()
+
+
+def test_enable_rejects_a_non_bool_norm_cache():
+    with pytest.raises(TypeError, match="enable: norm_cache expected a bool, got str"):
+        flashdora.enable(torch.nn.Linear(2, 2), norm_cache="no")
+
+
+def _lora_params(model):
+    return [p for n, p in model.named_parameters() if "lora_" in n]
+
+
+def _action(rng, model, opt, state):
+    """Apply one random action that may change weights, adapters or modes; returns its name."""
+    ids = _ids(rng.randrange(1000))
+    name = rng.choice(["train_step", "forward_backward", "eval", "inplace_lora", "inplace_base", "switch_adapter",
+                       "merge_unmerge", "load_state_dict", "to_double_and_back", "optimizer_step"])
+    if name in ("train_step", "forward_backward"):
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if name == "train_step":
+            opt.step()
+            opt.zero_grad()
+    elif name == "optimizer_step":
+        opt.step()
+        opt.zero_grad()
+    elif name == "eval":
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids)
+    elif name == "inplace_lora":
+        with torch.no_grad():
+            rng.choice(_lora_params(model)).mul_(1.1)
+    elif name == "inplace_base":
+        with torch.no_grad():
+            model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.add_(0.01)
+    elif name == "switch_adapter":
+        state["adapter"] = "other" if state["adapter"] == "default" else "default"
+        model.set_adapter(state["adapter"])
+    elif name == "merge_unmerge":
+        model.merge_adapter()
+        model.unmerge_adapter()
+    elif name == "load_state_dict":
+        sd = {k: v * 1.05 if "lora_B" in k else v for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+    elif name == "to_double_and_back":
+        model.double()
+        with torch.no_grad():
+            model.eval()(input_ids=ids)
+        model.float()
+    return name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cached_path_always_equals_a_fresh_computation(seed, monkeypatch):
+    rng = random.Random(seed)
+    model = build_peft_model("tiny", 4, 0.1, "cpu", seed=seed)
+    model.add_adapter("other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"],
+                                          init_lora_weights=False))
+    model.base_model.model.config.use_cache = False
+    flashdora.enable(model)
+    opt = torch.optim.SGD(_lora_params(model), lr=0.5)  # a big step: a stale norm would show
+    state = {"adapter": "default"}
+    peft_twin = None
+    for _ in range(25):
+        name = _action(rng, model, opt, state)
+        ids = _ids(rng.randrange(1000))
+        model.eval()
+        with torch.no_grad():
+            cached = model(input_ids=ids).logits
+        fresh = _logits_without_cache(model, ids, monkeypatch)
+        torch.testing.assert_close(cached, fresh, rtol=1e-6, atol=1e-6, msg=f"after {name}")
+        # and against PEFT itself on the current weights
+        peft_twin = flashdora.disable(copy.deepcopy(model))
+        with torch.no_grad():
+            torch.testing.assert_close(cached, peft_twin(input_ids=ids).logits, rtol=1e-5, atol=1e-5,
+                                       msg=f"vs PEFT after {name}")
