@@ -9,7 +9,7 @@ import flashdora
 from flashdora import dora_linear
 from flashdora.demo import build_peft_model
 from flashdora.ops.compose import compose_bwd_op, compose_fwd_op
-from flashdora.ops.norm import row_norm
+from flashdora.ops.norm import dora_scales_op
 from tests.helpers import dora_inputs, rel_err
 
 
@@ -100,14 +100,14 @@ def test_opcheck_every_op():
     lx_base = torch.randn(5, 8, requires_grad=True)
     a, b = i["lora_A"].requires_grad_(), i["lora_B"].requires_grad_()
     m = i["magnitude"].requires_grad_()
-    norm = torch.rand(8) + 0.5
+    scales = torch.rand(3, 8) + 0.5
     for base, bias in ((None, i["bias"]), (lx_base, None)):
-        args = (result, lx, base, bias, a, b, m, norm, 0.7, torch.float32, True)
+        args = (result, lx, base, bias, a, b, m, scales, 0.7, torch.float32, True)
         torch.library.opcheck(compose_fwd_op, args)
     dy = torch.randn(5, 8)
     inner = torch.randn(5, 8)
     ar = torch.randn(5, 3)
     for has_lx_base in (False, True):
-        args = (dy, lx.detach(), ar, inner, a.detach(), b.detach(), m.detach(), norm, 0.7, has_lx_base, True, [True] * 7)
+        args = (dy, lx.detach(), ar, inner, a.detach(), b.detach(), scales, 0.7, has_lx_base, True, [True] * 7)
         torch.library.opcheck(compose_bwd_op, args)
-    torch.library.opcheck(row_norm, (i["weight"], a.detach(), b.detach(), 0.7, -1))
+    torch.library.opcheck(dora_scales_op, (i["weight"], a.detach(), b.detach(), m.detach(), 0.7, -1))

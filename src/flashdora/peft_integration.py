@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
 from flashdora.ops.compose import compose
-from flashdora.ops.norm import NormCache, row_norm
+from flashdora.ops.norm import NormCache, dora_scales
 
 _PEFT_DORA = variants.DoraLinearVariant
 _PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
@@ -71,13 +71,13 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     magnitude = module.lora_magnitude_vector[active_adapter].weight
     scaling = float(module.scaling[active_adapter])
     dropout = module.lora_dropout[active_adapter]
-    norm = row_norm(weight.detach(), lora_A.detach(), lora_B.detach(), scaling, _cache_id(module, active_adapter))
+    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(module, active_adapter))
     if isinstance(dropout, nn.Identity) or not module.training:
-        return compose(result, x, lora_A, lora_B, magnitude, norm, scaling, bias=base.bias)
+        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=base.bias)
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
-    return compose(result, lora_x, lora_A, lora_B, magnitude, norm, scaling, lx_base=F.linear(lora_x, w))
+    return compose(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 
 
 def _cache_id(module: LoraLayer, adapter: str) -> int:

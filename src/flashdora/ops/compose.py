@@ -1,9 +1,11 @@
 """``dora_linear`` and the DoRA compose op: public function, custom ops with autograd, eager forward and backward.
 
 The op takes the base layer's output (``result = x W^T + bias``, as PEFT hands it to its variants) and adds the
-DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. ``flashdora::compose_fwd``
-and ``flashdora::compose_bwd`` are ``torch.library`` custom ops (fake implementations, autograd attached), so
-``torch.compile`` traces through them without graph breaks. Math: docs/math.md.
+DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Eager calls cross one
+``autograd.Function``; under ``torch.compile`` the same bodies run as the ``torch.library`` custom ops
+``flashdora::compose_fwd`` / ``flashdora::compose_bwd`` (fake implementations, autograd attached), so the graph has
+no breaks. Two boundaries because the custom-op dispatch costs ~100 us a call in eager mode (docs/decisions.md).
+Math: docs/math.md.
 """
 
 from __future__ import annotations
@@ -13,22 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashdora import _checks, backend
-from flashdora.ops.norm import row_norm
-
-
-def scales(magnitude: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``g = m / norm``, ``g - 1 = (m - norm) / norm`` and ``1 / norm``, in float32 (float64 for float64 inputs).
-
-    A row with ``norm == 0`` (its W row and LoRA delta are both zero) gets ``g = 0``, ``g - 1 = -1`` and
-    ``1 / norm = 0``: it outputs its bias and gets a zero magnitude gradient, never NaN.
-    """
-    acc = torch.promote_types(magnitude.dtype, torch.float32)
-    m, n = magnitude.detach().to(acc), norm.detach().to(acc)
-    positive = n > 0
-    inv = torch.where(positive, 1.0 / n, torch.zeros_like(n))
-    g = m * inv
-    gm1 = torch.where(positive, (m - n) * inv, torch.full_like(n, -1.0))
-    return g, gm1, inv
+from flashdora.ops.norm import dora_scales
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -66,83 +53,41 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
     return lora_A.dtype
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
+def _empty(like: Tensor) -> Tensor:
     """The stand-in for an absent output (custom ops return tensors, never None)."""
     return like.new_empty(0)
 
 
-@torch.library.custom_op("flashdora::compose_fwd", mutates_args=())
-def compose_fwd_op(
-    result: Tensor,
-    lx: Tensor,
-    lx_base: Tensor | None,
-    bias: Tensor | None,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    magnitude: Tensor,
-    norm: Tensor,
-    scaling: float,
-    compute_dtype: torch.dtype,
-    save_inner: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """DoRA output ``y`` plus what backward needs: ``a = lx A^T``, ``inner`` and ``lx`` in the matmul dtype.
-
-    ``inner`` is empty unless ``save_inner``; the cast ``lx`` is empty when ``lx`` already has the matmul dtype
-    (backward then uses ``lx`` itself).
-    """
+def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
+    """Forward body: ``(y, a, inner | None, lx_c)`` with ``a = lx A^T`` and ``lx_c`` the LoRA input in matmul dtype."""
     triton = backend.use_triton(result)
     backend.count("triton" if triton else "eager")
     with torch.autocast(result.device.type, enabled=False):
         lx_c = lx.to(compute_dtype)
         a = F.linear(lx_c, lora_A.to(compute_dtype))  # [..., r]
         lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
-        g, gm1, _ = scales(magnitude, norm)
         if triton:
             from flashdora.kernels.compose import compose_fwd
         else:
             compose_fwd = compose_fwd_eager
-        y, inner = compose_fwd(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
-    inner = _empty(result) if inner is None else inner.contiguous()
-    return y.contiguous(), a, inner, _empty(lx) if lx_c is lx else lx_c
+        y, inner = compose_fwd(result, lora, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner)
+    return y, a, inner, lx_c
 
 
-@compose_fwd_op.register_fake
-def _(result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm, scaling, compute_dtype, save_inner):
-    a = lx.new_empty((*lx.shape[:-1], lora_A.shape[0]), dtype=compute_dtype)
-    inner = result.new_empty(result.shape) if save_inner else _empty(result)
-    lx_c = _empty(lx) if lx.dtype == compute_dtype else lx.new_empty(lx.shape, dtype=compute_dtype)
-    return result.new_empty(result.shape), a, inner, lx_c
+def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+    """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
 
-
-@torch.library.custom_op("flashdora::compose_bwd", mutates_args=())
-def compose_bwd_op(
-    dy: Tensor,
-    lx: Tensor,
-    a: Tensor,
-    inner: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    magnitude: Tensor,
-    norm: Tensor,
-    scaling: float,
-    has_lx_base: bool,
-    has_bias: bool,
-    needs: list[bool],
-) -> list[Tensor]:
-    """Gradients ``[d_result (g dy), d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``; empty where not needed.
-
-    ``needs`` follows that order; ``d_result`` is only computed without ``lx_base`` (with it, it is ``dy``).
-    ``lx`` is the LoRA input in the matmul dtype; ``inner`` is empty when ``magnitude`` needs no gradient.
+    ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
     """
     cd = a.dtype
-    g, gm1, inv = scales(magnitude, norm)
+    g, gm1, inv = scales
     if backend.use_triton(dy):
         from flashdora.kernels.compose import compose_bwd
     else:
         compose_bwd = compose_bwd_eager
+    out = [None] * 7
     with torch.autocast(dy.device.type, enabled=False):
-        gdy, d_lx_base, dg = compose_bwd(dy.contiguous(), inner if inner.numel() else None, g, gm1, has_lx_base)
-        out = [_empty(dy) for _ in range(7)]
+        gdy, d_lx_base, dg = compose_bwd(dy.contiguous(), inner, g, gm1, has_lx_base)
         if needs[0] and not has_lx_base:
             out[0] = gdy
         if needs[2] and has_lx_base:
@@ -155,64 +100,148 @@ def compose_bwd_op(
             if needs[5]:
                 out[5] = (gdy_c.T @ a.reshape(-1, a.shape[-1])).mul_(scaling).to(lora_B.dtype)
             if needs[4]:
-                out[4] = (da.T @ lx.reshape(-1, lx.shape[-1])).to(lora_A.dtype)
+                out[4] = (da.T @ lx_c.reshape(-1, lx_c.shape[-1])).to(lora_A.dtype)
             if needs[1]:
-                out[1] = (da @ lora_A.to(cd)).reshape(lx.shape)
+                out[1] = (da @ lora_A.to(cd)).reshape(lx_c.shape)
         if needs[6] and dg is not None:
-            out[6] = (dg * inv).to(magnitude.dtype)
+            out[6] = dg * inv
     return out
 
 
+def _finish_grads(grads, dy, needs, has_lx_base, lx_dtype, magnitude_dtype):
+    d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m = grads
+    if has_lx_base and needs[0]:
+        d_result = dy
+    return (
+        d_result,
+        None if d_lx is None else d_lx.to(lx_dtype),
+        d_lx_base,
+        d_bias,
+        d_A,
+        d_B,
+        None if d_m is None else d_m.to(magnitude_dtype),
+    )
+
+
+class ComposeFunction(torch.autograd.Function):
+    """The eager autograd boundary; under ``torch.compile`` the same bodies run as custom ops (see ``compose``)."""
+
+    @staticmethod
+    def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype):
+        save_inner = ctx.needs_input_grad[6]
+        y, a, inner, lx_c = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
+        ctx.save_for_backward(lx_c, a, inner, lora_A, lora_B, scales)
+        ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, magnitude.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
+        scaling, has_lx_base, has_bias, lx_dtype, m_dtype = ctx.meta
+        needs = list(ctx.needs_input_grad[:7])
+        grads = _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs)
+        return (*_finish_grads(grads, dy, needs, has_lx_base, lx_dtype, m_dtype), None, None, None)
+
+
+@torch.library.custom_op("flashdora::compose_fwd", mutates_args=())
+def compose_fwd_op(
+    result: Tensor,
+    lx: Tensor,
+    lx_base: Tensor | None,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    scales: Tensor,
+    scaling: float,
+    compute_dtype: torch.dtype,
+    save_inner: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, a, inner, lx_c)``: ``inner`` empty unless ``save_inner``, ``lx_c`` empty when ``lx`` has the matmul dtype.
+
+    ``magnitude`` is an input only so that autograd routes its gradient here; its value enters through ``scales``.
+    """
+    y, a, inner, lx_c = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
+    inner = _empty(result) if inner is None else inner.contiguous()
+    return y.contiguous(), a, inner, _empty(lx) if lx_c is lx else lx_c
+
+
+@compose_fwd_op.register_fake
+def _(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, save_inner):
+    a = lx.new_empty((*lx.shape[:-1], lora_A.shape[0]), dtype=compute_dtype)
+    inner = result.new_empty(result.shape) if save_inner else _empty(result)
+    lx_c = _empty(lx) if lx.dtype == compute_dtype else lx.new_empty(lx.shape, dtype=compute_dtype)
+    return result.new_empty(result.shape), a, inner, lx_c
+
+
+@torch.library.custom_op("flashdora::compose_bwd", mutates_args=())
+def compose_bwd_op(
+    dy: Tensor,
+    lx_c: Tensor,
+    a: Tensor,
+    inner: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scales: Tensor,
+    scaling: float,
+    has_lx_base: bool,
+    has_bias: bool,
+    needs: list[bool],
+) -> list[Tensor]:
+    """``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]`` (see ``_bwd``), empty tensors where not needed."""
+    grads = _bwd(dy, lx_c, a, inner if inner.numel() else None, lora_A, lora_B, scales, scaling, has_lx_base,
+                 has_bias, needs)  # fmt: skip
+    return [_empty(dy) if g is None else g for g in grads]
+
+
 @compose_bwd_op.register_fake
-def _(dy, lx, a, inner, lora_A, lora_B, magnitude, norm, scaling, has_lx_base, has_bias, needs):
+def _(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+    d_out = dy.shape[-1]
     shapes = [
         (dy, not has_lx_base),
-        (lx.new_empty(lx.shape, dtype=a.dtype), True),
+        (lx_c, True),
         (dy, has_lx_base),
-        (magnitude.new_empty(dy.shape[-1], dtype=torch.promote_types(magnitude.dtype, torch.float32)), not has_lx_base),
+        (scales.new_empty(d_out), has_bias and not has_lx_base),
         (lora_A, True),
         (lora_B, True),
-        (magnitude, inner.numel() > 0),
+        (scales.new_empty(d_out), inner.numel() > 0),
     ]
     return [t.new_empty(t.shape) if need and ok else _empty(dy) for (t, ok), need in zip(shapes, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm, scaling, _, _ = inputs
+    result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, _, _ = inputs
     _, a, inner, lx_c = output
-    ctx.save_for_backward(lx_c if lx_c.numel() else lx, a, inner, lora_A, lora_B, magnitude, norm)
-    ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, result.dtype)
+    ctx.save_for_backward(lx_c if lx_c.numel() else lx, a, inner, lora_A, lora_B, scales)
+    ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, magnitude.dtype)
 
 
 def _backward(ctx, dy, _da, _dinner, _dlx_c):
-    lx, a, inner, lora_A, lora_B, magnitude, norm = ctx.saved_tensors
-    scaling, has_lx_base, has_bias, lx_dtype, result_dtype = ctx.meta
-    n = ctx.needs_input_grad
-    needs = [n[0], n[1], n[2], n[3], n[4], n[5], n[6]]
-    grads = compose_bwd_op(dy, lx, a, inner, lora_A, lora_B, magnitude, norm, scaling, has_lx_base, has_bias, needs)
+    lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
+    scaling, has_lx_base, has_bias, lx_dtype, m_dtype = ctx.meta
+    needs = list(ctx.needs_input_grad[:7])
+    grads = compose_bwd_op(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs)
     grads = [g if need and g.numel() else None for g, need in zip(grads, needs)]
-    d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m = grads
-    if has_lx_base and n[0]:
-        d_result = dy
-    if d_lx is not None:
-        d_lx = d_lx.to(lx_dtype)
-    return d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m, None, None, None, None
+    return (*_finish_grads(grads, dy, needs, has_lx_base, lx_dtype, m_dtype), None, None, None, None)
 
 
 compose_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compose(result, lx, lora_A, lora_B, magnitude, norm, scaling, *, bias=None, lx_base=None) -> Tensor:
+def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None) -> Tensor:
     """The DoRA output from the base layer's ``result = x W^T + bias`` (validated inputs; PEFT's variant calls this).
 
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
-    ``g = magnitude / norm`` with ``norm`` treated as a constant. Output dtype: ``result.dtype``.
+    ``scales`` is ``dora_scales(...)``: ``(g, g - 1, 1 / norm)`` for ``magnitude``. Output dtype: ``result.dtype``.
+    Eager calls use ``ComposeFunction`` (less dispatch overhead); compiled graphs the custom ops.
     """
     cd = _compute_dtype(result.device.type, lora_A)
+    if not torch.compiler.is_compiling():
+        return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd)
     save_inner = magnitude.requires_grad and torch.is_grad_enabled()
-    y, *_ = compose_fwd_op(result, lx, lx_base, bias, lora_A, lora_B, magnitude, norm.detach(), scaling, cd, save_inner)
-    return y
+    args = (result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd, save_inner)
+    return compose_fwd_op(*args)[0]
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:
@@ -266,9 +295,9 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
         _checks.same_device(fn, "lora_x", lora_x, x, "x")
     scaling = _checks.scaling(fn, scaling)
 
-    norm = row_norm(weight.detach(), lora_A.detach(), lora_B.detach(), scaling, -1)
+    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling)
     result = F.linear(x, weight, bias)
     if lora_x is None:
-        return compose(result, x, lora_A, lora_B, magnitude, norm, scaling, bias=bias)
+        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=bias)
     lx_base = F.linear(lora_x, weight)
-    return compose(result, lora_x, lora_A, lora_B, magnitude, norm, scaling, lx_base=lx_base)
+    return compose(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=lx_base)

@@ -1,7 +1,7 @@
 """``factored_norm``: the DoRA row norm ``||W + s B A||`` without forming ``B @ A`` (derivation: docs/math.md).
 
-Also the op ``flashdora::row_norm`` behind it, which keeps each DoRA layer's norm for as long as its weights are
-unchanged (the norm never depends on the input): see ``NormCache``.
+Also ``dora_scales``: ``g = m / norm`` and friends for a layer, kept for as long as its weights are unchanged (the
+norm never depends on the input; see ``NormCache``), behind the custom op ``flashdora::dora_scales``.
 """
 
 from __future__ import annotations
@@ -110,6 +110,20 @@ def norm_sq_eager(weight, lora_A, lora_B, scaling: float, chunk_size: int | None
     return out
 
 
+def scales(magnitude: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``[3, d_out]``: rows ``g = m / norm``, ``g - 1 = (m - norm) / norm`` and ``1 / norm``, in float32.
+
+    (float64 for float64 inputs.) A row with ``norm == 0`` (its W row and LoRA delta are both zero) gets ``g = 0``,
+    ``g - 1 = -1`` and ``1 / norm = 0``: it outputs its bias and gets a zero magnitude gradient, never NaN.
+    """
+    acc = torch.promote_types(magnitude.dtype, torch.float32)
+    m, n = magnitude.detach().to(acc), norm.detach().to(acc)
+    positive = n > 0
+    inv = torch.where(positive, 1.0 / n, torch.zeros_like(n))
+    gm1 = torch.where(positive, (m - n) * inv, torch.full_like(n, -1.0))
+    return torch.stack([m * inv, gm1, inv])
+
+
 def cache_enabled() -> bool:
     """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
     return os.environ.get("FLASHDORA_NORM_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -122,11 +136,11 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 class NormCache:
-    """Per-layer norm storage, O(d_out): the layer's norm and its ``||W||^2``, each with the key it was made for.
+    """Per-layer storage, O(d_out): the norm, ``||W||^2`` and the scales, each with the key it was made for.
 
-    Entries live on an owner object (PEFT's per-adapter ``DoraLinearLayer``) and die with it; the op finds them
+    Entries live on an owner object (PEFT's per-adapter ``DoraLinearLayer``) and die with it; the ops find them
     by ``id(owner)``. Writes through ``.data`` (``p.data.copy_(...)``) bypass version counters and are not seen:
-    call ``flashdora.clear_norm_cache(model)`` after such edits, or set ``FLASHDORA_NORM_CACHE=0``.
+    call ``flashdora.enable(model)`` again after such edits (it clears the cache), or set ``FLASHDORA_NORM_CACHE=0``.
     """
 
     _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -137,41 +151,55 @@ class NormCache:
         return id(owner)
 
     @classmethod
-    def lookup(cls, cache_id: int, weight, lora_A, lora_B, scaling: float) -> torch.Tensor:
-        owner = cls._owners.get(cache_id)
-        if owner is None or not cache_enabled():
-            return compute_norm(weight, lora_A, lora_B, scaling)
+    def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
+        """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
+        owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
+        if owner is None:
+            return scales(magnitude, compute_norm(weight, lora_A, lora_B, scaling))
+        cache = owner.__dict__.setdefault("_flashdora_cache", {})
         key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling)
-        entry = owner.__dict__.get("_flashdora_norm")
-        if entry is not None and entry[0] == key:
+        full_key = (key, _tensor_key(magnitude))
+        if cache.get("scales_key") == full_key:
             backend.count("norm:cached")
-            return entry[1]
-        w_entry = owner.__dict__.get("_flashdora_w_sq")
-        w_sq = None
-        if not backend.use_triton(weight, lora_A, lora_B):  # the fused kernel gets ||W||^2 from the same read of W
-            if w_entry is None or w_entry[0] != key[0]:
-                w_entry = (key[0], weight_sq_eager(weight))
-                owner.__dict__["_flashdora_w_sq"] = w_entry
-            w_sq = w_entry[1]
-        norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
-        owner.__dict__["_flashdora_norm"] = (key, norm)
-        return norm
+            return cache["scales"]
+        if cache.get("norm_key") == key:
+            backend.count("norm:cached")
+        else:
+            w_sq = None
+            if not backend.use_triton(weight, lora_A, lora_B):  # the fused kernel gets ||W||^2 from its read of W
+                if cache.get("w_sq_key") != key[0]:
+                    cache["w_sq_key"], cache["w_sq"] = key[0], weight_sq_eager(weight)
+                w_sq = cache["w_sq"]
+            cache["norm_key"], cache["norm"] = key, compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
+        cache["scales_key"], cache["scales"] = full_key, scales(magnitude, cache["norm"])
+        return cache["scales"]
 
     @staticmethod
     def clear(owner) -> None:
-        owner.__dict__.pop("_flashdora_norm", None)
-        owner.__dict__.pop("_flashdora_w_sq", None)
+        owner.__dict__.pop("_flashdora_cache", None)
 
 
-@torch.library.custom_op("flashdora::row_norm", mutates_args=())
-def row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, cache_id: int) -> (
-    torch.Tensor
-):
-    """``||W + s B A||_row`` (float32), from the layer's cache when ``cache_id`` names a registered owner."""
-    return NormCache.lookup(cache_id, weight, lora_A, lora_B, scaling).clone()  # callers may not alias the cache
+@torch.library.custom_op("flashdora::dora_scales", mutates_args=())
+def dora_scales_op(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor, scaling: float,
+    cache_id: int,
+) -> torch.Tensor:  # fmt: skip
+    """``scales(magnitude, ||W + s B A||_row)``, from the layer's cache when ``cache_id`` names a registered owner."""
+    return NormCache.lookup(weight, lora_A, lora_B, magnitude, scaling, cache_id).clone()  # no alias of the cache
 
 
-@row_norm.register_fake
-def _(weight, lora_A, lora_B, scaling, cache_id):
-    dtype = torch.float64 if torch.float64 in (weight.dtype, lora_A.dtype, lora_B.dtype) else torch.float32
-    return weight.new_empty(weight.shape[0], dtype=dtype)
+@dora_scales_op.register_fake
+def _(weight, lora_A, lora_B, magnitude, scaling, cache_id):
+    return magnitude.new_empty((3, weight.shape[0]), dtype=torch.promote_types(magnitude.dtype, torch.float32))
+
+
+def dora_scales(weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int = -1) -> torch.Tensor:
+    """The ``[3, d_out]`` scales ``(g, g - 1, 1 / norm)`` of a DoRA layer (detached; see ``scales``).
+
+    Eager calls go straight to the cache (no op-dispatch overhead); under ``torch.compile`` the custom op keeps
+    the cache lookup at run time, opaque to the graph.
+    """
+    args = (weight.detach(), lora_A.detach(), lora_B.detach(), magnitude.detach(), scaling, cache_id)
+    if torch.compiler.is_compiling():
+        return dora_scales_op(*args)
+    return NormCache.lookup(*args)
