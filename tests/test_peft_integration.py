@@ -26,8 +26,15 @@ def _llama(dropout=0.1, rank=8):
 def _gpt2(dropout=0.1):
     torch.manual_seed(0)
     config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97, n_positions=64)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, fan_in_fan_out=True,
-                      target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=dropout,
+        use_dora=True,
+        fan_in_fan_out=True,
+        target_modules=["c_attn", "c_proj", "c_fc"],
+        init_lora_weights=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(GPT2LMHeadModel(config), lora)
@@ -75,8 +82,9 @@ def test_eval_and_train_parity_with_peft(make, vocab):
     peft_loss, peft_logits, peft_grads = _step(peft_model, ids)
     assert rel_err(logits, peft_logits) <= 1e-5 and rel_err(loss, peft_loss) <= 1e-5
     _assert_grads(grads, peft_grads)
-    n_layers = sum(isinstance(v, FlashDoraLinearVariant) for m in model.modules()
-                   for v in getattr(m, "lora_variant", {}).values())
+    n_layers = sum(
+        isinstance(v, FlashDoraLinearVariant) for m in model.modules() for v in getattr(m, "lora_variant", {}).values()
+    )
     assert n_layers > 0 and flashdora.stats()["eager"] == 2 * n_layers  # one eval + one train forward each
 
 
@@ -103,7 +111,7 @@ def test_gradient_checkpointing_and_input_grads():
 def test_autocast_bf16_parity():
     peft_model = _llama(dropout=0.0)
     peft_model.base_model.model.to(torch.bfloat16)
-    for name, p in peft_model.named_parameters():
+    for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # PEFT's default: fp32 adapters on a bf16 model
     model = flashdora.enable(copy.deepcopy(peft_model))
@@ -125,8 +133,9 @@ def test_enable_disable_round_trip_and_idempotence():
     ref = _eval(model, ids)
     flashdora.enable(model)
     flashdora.enable(model)
-    assert all(isinstance(v, FlashDoraLinearVariant) for m in model.modules()
-               for v in getattr(m, "lora_variant", {}).values())
+    assert all(
+        isinstance(v, FlashDoraLinearVariant) for m in model.modules() for v in getattr(m, "lora_variant", {}).values()
+    )
     flashdora.disable(model)
     flashdora.disable(model)
     flashdora.reset_stats()
@@ -171,8 +180,7 @@ def test_save_with_flashdora_load_in_plain_peft_and_back(tmp_path):
 def test_multiple_adapters_and_switching():
     peft_model = _llama()
     torch.manual_seed(5)
-    second = LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=["q_proj", "v_proj"],
-                        init_lora_weights=False)
+    second = LoraConfig(r=4, lora_alpha=4, use_dora=True, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     peft_model.add_adapter("other", second)
     model = flashdora.enable(copy.deepcopy(peft_model))
     ids = _ids(256)
@@ -265,4 +273,6 @@ def test_enable_rejects_non_modules():
 
 def test_disable_pins_peft_class():
     model = flashdora.disable(_llama())
-    assert all(type(v) is PeftDoraLinearVariant for m in model.modules() for v in getattr(m, "lora_variant", {}).values())
+    assert all(
+        type(v) is PeftDoraLinearVariant for m in model.modules() for v in getattr(m, "lora_variant", {}).values()
+    )

@@ -18,8 +18,9 @@ def test_dora_ref_equals_the_decomposed_weight():
     v = i["weight"] + i["scaling"] * i["lora_B"] @ i["lora_A"]
     w_prime = i["magnitude"].double()[:, None] * v / v.norm(dim=1, keepdim=True)
     expected = i["x"] @ w_prime.T + i["bias"]
-    out = dora_linear_ref(i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"].double(),
-                          i["scaling"])
+    out = dora_linear_ref(
+        i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"].double(), i["scaling"]
+    )
     torch.testing.assert_close(out, expected)
 
 

@@ -1,4 +1,4 @@
-"""``flashdora`` command line: ``demo``, ``bench layer``, ``bench model``, ``parity``. Thin: each module does the work."""
+"""``flashdora`` command line: ``demo``, ``bench layer``, ``bench model``, ``parity``; each module does the work."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args._argv = ["flashdora", *argv]  # the exact command, for result files
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -20,6 +20,8 @@ SIZES = {
     "tiny": (64, 2, 128, 4, 2, 256),
     "small": (256, 4, 688, 8, 4, 2048),
     "medium": (1024, 8, 2816, 16, 4, 32000),
+    # `flashdora parity` on CUDA: ~135M base parameters, the byte-level vocabulary (+84M adapter ones at r = 384)
+    "base": (1024, 12, 2816, 16, 4, 256),
 }
 
 
@@ -52,8 +54,9 @@ def build_peft_model(size: str, rank: int, dropout: float, device, seed: int = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="model size (default: small on CPU, "
-                        "medium on CUDA)")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default=None, help="model size (default: small on CPU, medium on CUDA)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128 CPU, 512 CUDA)")

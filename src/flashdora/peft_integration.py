@@ -1,4 +1,4 @@
-"""The PEFT seam: a ``LoraVariant`` for DoRA Linear layers, ``enable``/``disable`` per model, ``patch_peft`` per process.
+"""The PEFT seam: a DoRA Linear ``LoraVariant``, ``enable``/``disable`` per model, ``patch_peft`` per process.
 
 PEFT keeps one variant object per (layer, adapter) in ``module.lora_variant``. Its class decides the path:
 
@@ -64,7 +64,9 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``."""
     reason = unsupported_reason(module, active_adapter)
     if reason is not None or x.device != result.device:
-        return _fallback(reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
+        return _fallback(
+            reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
+        )
     base = module.get_base_layer()
     weight = base.weight.T if module.fan_in_fan_out else base.weight
     lora_A, lora_B = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight

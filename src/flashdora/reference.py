@@ -18,7 +18,8 @@ def dora_linear_ref(x, weight, bias, lora_A, lora_B, magnitude, scaling, lora_x=
     """The DoRA linear layer as PEFT defines it, with the norm detached (DoRA paper, sec. 4.3).
 
     ``lora_x is None``: ``y = g (x W^T + s x A^T B^T) + bias``; otherwise the delta acts on ``lora_x`` (the
-    dropout-applied input) and the frozen base on ``x``: ``y = x W^T + bias + (g - 1) lora_x W^T + g s lora_x A^T B^T``.
+    dropout-applied input) and the frozen base on ``x``:
+    ``y = x W^T + bias + (g - 1) lora_x W^T + g s lora_x A^T B^T``.
     """
     g = magnitude / row_norm_ref(weight, lora_A, lora_B, scaling).detach()
     if lora_x is None:

@@ -12,12 +12,24 @@ GRAD_NAMES = ("x", "lora_x", "weight", "bias", "lora_A", "lora_B", "magnitude")
 
 def _run(fn, i, lora_x, dy):
     """Output and the gradients of every input (None where an input is absent)."""
-    leaves = {k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in i.items() if k != "scaling"}
+    leaves = {
+        k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in i.items() if k != "scaling"
+    }
     lx = None if lora_x is None else lora_x.detach().clone().requires_grad_()
-    out = fn(leaves["x"], leaves["weight"], leaves["bias"], leaves["lora_A"], leaves["lora_B"], leaves["magnitude"],
-             i["scaling"], lora_x=lx)
+    out = fn(
+        leaves["x"],
+        leaves["weight"],
+        leaves["bias"],
+        leaves["lora_A"],
+        leaves["lora_B"],
+        leaves["magnitude"],
+        i["scaling"],
+        lora_x=lx,
+    )
     out.backward(dy)
-    grads = {k: leaves[k].grad for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude") if leaves[k] is not None}
+    grads = {
+        k: leaves[k].grad for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude") if leaves[k] is not None
+    }
     grads["lora_x"] = None if lx is None else lx.grad
     return out, grads
 
@@ -79,6 +91,7 @@ def test_compose_gradcheck_float64(with_lora_x, monkeypatch):
     lx_base = torch.randn(4, 5, dtype=torch.float64, requires_grad=True) if with_lora_x else None
     bias = None if with_lora_x else i["bias"].requires_grad_()
     a, b, m = (i[k].requires_grad_() for k in ("lora_A", "lora_B", "magnitude"))
+
     def f(result, lx, lx_base, bias, a, b, m):
         return compose(result, lx, a, b, m, scales(m, norm), 0.7, bias=bias, lx_base=lx_base)
 
@@ -117,11 +130,22 @@ def test_bf16_error_no_worse_than_peft_near_g_equal_1(monkeypatch):
     monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
     i = dora_inputs(256, 192, 16, lead=(64,), g_near_one=True)
     lora_x = torch.nn.functional.dropout(i["x"], 0.1)
-    ref = dora_linear_ref(*(_double(i)[k] for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude")),
-                          i["scaling"], lora_x=lora_x.double())
+    ref = dora_linear_ref(
+        *(_double(i)[k] for k in ("x", "weight", "bias", "lora_A", "lora_B", "magnitude")),
+        i["scaling"],
+        lora_x=lora_x.double(),
+    )
     bf = {k: (v.bfloat16() if isinstance(v, torch.Tensor) and k != "magnitude" else v) for k, v in i.items()}
-    out = dora_linear(bf["x"], bf["weight"], bf["bias"], bf["lora_A"], bf["lora_B"], i["magnitude"], i["scaling"],
-                      lora_x=lora_x.bfloat16())
+    out = dora_linear(
+        bf["x"],
+        bf["weight"],
+        bf["bias"],
+        bf["lora_A"],
+        bf["lora_B"],
+        i["magnitude"],
+        i["scaling"],
+        lora_x=lora_x.bfloat16(),
+    )
     ours, peft = rel_err(out, ref), rel_err(_peft_formula_bf16(i, lora_x), ref)
     assert ours <= peft, (ours, peft)
 
@@ -158,8 +182,15 @@ def test_counts_eager_calls(monkeypatch):
 
 
 def _args(**change):
-    args = dict(x=torch.randn(3, 8), weight=torch.randn(6, 8), bias=torch.randn(6), lora_A=torch.randn(4, 8),
-                lora_B=torch.randn(6, 4), magnitude=torch.rand(6), scaling=0.5)
+    args = dict(
+        x=torch.randn(3, 8),
+        weight=torch.randn(6, 8),
+        bias=torch.randn(6),
+        lora_A=torch.randn(4, 8),
+        lora_B=torch.randn(6, 4),
+        magnitude=torch.rand(6),
+        scaling=0.5,
+    )
     args.update(change)
     return args
 
@@ -180,8 +211,11 @@ def _args(**change):
 def test_named_errors(change, error, match):
     args = _args(**change)
     with pytest.raises(error, match=f"dora_linear: .*{match}"):
-        dora_linear(args.pop("x"), **{k: args[k] for k in ("weight", "bias", "lora_A", "lora_B", "magnitude")},
-                    scaling=args["scaling"])
+        dora_linear(
+            args.pop("x"),
+            **{k: args[k] for k in ("weight", "bias", "lora_A", "lora_B", "magnitude")},
+            scaling=args["scaling"],
+        )
 
 
 def test_lora_x_shape_error():

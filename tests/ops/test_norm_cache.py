@@ -87,8 +87,20 @@ def _lora_params(model):
 def _action(rng, model, opt, state):
     """Apply one random action that may change weights, adapters or modes; returns its name."""
     ids = _ids(rng.randrange(1000))
-    name = rng.choice(["train_step", "forward_backward", "eval", "inplace_lora", "inplace_base", "switch_adapter",
-                       "merge_unmerge", "load_state_dict", "to_double_and_back", "optimizer_step"])
+    name = rng.choice(
+        [
+            "train_step",
+            "forward_backward",
+            "eval",
+            "inplace_lora",
+            "inplace_base",
+            "switch_adapter",
+            "merge_unmerge",
+            "load_state_dict",
+            "to_double_and_back",
+            "optimizer_step",
+        ]
+    )
     if name in ("train_step", "forward_backward"):
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
@@ -129,8 +141,9 @@ def _action(rng, model, opt, state):
 def test_cached_path_always_equals_a_fresh_computation(seed, monkeypatch):
     rng = random.Random(seed)
     model = build_peft_model("tiny", 4, 0.1, "cpu", seed=seed)
-    model.add_adapter("other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"],
-                                          init_lora_weights=False))
+    model.add_adapter(
+        "other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
     model.base_model.model.config.use_cache = False
     flashdora.enable(model)
     opt = torch.optim.SGD(_lora_params(model), lr=0.5)  # a big step: a stale norm would show
@@ -147,5 +160,6 @@ def test_cached_path_always_equals_a_fresh_computation(seed, monkeypatch):
         # and against PEFT itself on the current weights
         peft_twin = flashdora.disable(copy.deepcopy(model))
         with torch.no_grad():
-            torch.testing.assert_close(cached, peft_twin(input_ids=ids).logits, rtol=1e-5, atol=1e-5,
-                                       msg=f"vs PEFT after {name}")
+            torch.testing.assert_close(
+                cached, peft_twin(input_ids=ids).logits, rtol=1e-5, atol=1e-5, msg=f"vs PEFT after {name}"
+            )

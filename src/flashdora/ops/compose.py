@@ -281,7 +281,9 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
         raise ValueError(f"{fn}: x expected shape [..., {d_in}] (d_in from weight), got {list(x.shape)}")
     _checks.same_device(fn, "weight", weight, x, "x")
     if not torch.is_autocast_enabled(x.device.type) and x.dtype != weight.dtype:
-        raise TypeError(f"{fn}: x expected dtype {weight.dtype} (the dtype of weight, outside autocast), got {x.dtype}")
+        raise TypeError(
+            f"{fn}: x expected dtype {weight.dtype} (the dtype of weight, outside autocast), got {x.dtype}"
+        )
     if bias is not None:
         _checks.tensor(fn, "bias", bias)
         _checks.shape(fn, "bias", bias, [d_out], "weight's d_out")

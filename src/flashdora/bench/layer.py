@@ -1,0 +1,309 @@
+"""``flashdora bench layer``: one DoRA layer, PEFT LoRA vs PEFT DoRA vs flashdora, plus the kernels alone.
+
+Each (shape, rank, dtype) builds one bf16 ``nn.Linear`` weight, wraps it with PEFT twice (LoRA and DoRA, the same
+``lora_A``/``lora_B`` values, ``lora_B`` non-zero) and times every (tokens, phase, mode) on the same ``x`` and
+``dy``. ``flashdora`` is the PEFT DoRA layer after ``flashdora.enable``; ``peft_dora`` the same layer after
+``flashdora.disable``. The kernel sections live in ``bench/kernels.py``. Protocol and result keys: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+from collections import OrderedDict
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+import flashdora
+from flashdora.bench import record, timing
+from flashdora.bench.kernels import bench_kernels, render_kernels, shape_name, timed
+
+SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
+RANKS = (16, 64, 384)
+TOKENS = (2048, 8192)
+DTYPES = ("autocast", "bf16")
+MODES = ("peft_lora", "peft_dora", "flashdora")
+PHASES = ("forward", "fwd_bwd")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"4096x14336"`` -> ``(4096, 14336)`` as (d_in, d_out)."""
+    try:
+        d_in, d_out = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape expected D_INxD_OUT such as 4096x14336, got {text!r}") from None
+    if d_in < 1 or d_out < 1:
+        raise argparse.ArgumentTypeError(f"shape expected positive sizes, got {text!r}")
+    return d_in, d_out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=[parse_shape(s) for s in SHAPES],
+        metavar="DINxDOUT",
+        help=f"layer shapes d_in x d_out (default: {' '.join(SHAPES)})",
+    )
+    parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS), help="LoRA ranks (default: %(default)s)")
+    parser.add_argument(
+        "--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens per call (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES,
+        default=list(DTYPES),
+        help="autocast: bf16 weight, fp32 adapters, bf16 autocast; bf16: everything bf16",
+    )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per row; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    parser.add_argument(
+        "--norm-shape",
+        type=parse_shape,
+        default=(8192, 28672),
+        metavar="DINxDOUT",
+        help="shape of the PEFT-norm vs factored-norm comparison (default: 8192x28672)",
+    )
+    parser.add_argument("--norm-rank", type=int, default=384, help="rank of that comparison (default: 384)")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel, device-peak and norm sections")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=default_device, help="default: %(default)s")
+    parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
+
+
+def build_layer(weight: torch.Tensor, rank: int, use_dora: bool, dtype_mode: str):
+    """A PEFT model around one frozen ``nn.Linear`` holding ``weight``; returns (peft_model, lora_layer)."""
+    d_out, d_in = weight.shape
+    linear = nn.Linear(d_in, d_out, bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    config = LoraConfig(
+        r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=["proj"], use_dora=use_dora, init_lora_weights=False
+    )  # False: lora_B gets nn.Linear's random init, so DoRA is not trivial
+    with torch.device(weight.device):
+        model = get_peft_model(
+            nn.Sequential(OrderedDict(proj=linear)), config, autocast_adapter_dtype=dtype_mode == "autocast"
+        )
+    layer = model.base_model.model.proj
+    want = torch.float32 if dtype_mode == "autocast" else torch.bfloat16
+    got = {p.dtype for n, p in layer.named_parameters() if "lora_" in n}
+    if got != {want}:
+        raise RuntimeError(
+            f"bench layer: {dtype_mode} expected adapter dtype {want}, PEFT made {sorted(map(str, got))}"
+        )
+    return model, layer
+
+
+def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, phase: str, autocast: bool):
+    """One call of ``layer`` as the phase runs it; ``.grad``s are dropped after each call, so each allocates them."""
+    device_type = x.device.type
+
+    def amp():
+        return torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    if phase == "forward":
+
+        def forward():
+            with torch.no_grad(), amp():
+                layer(x)
+
+        return forward
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def fwd_bwd():
+        with amp():
+            y = layer(x)
+        y.backward(dy)
+        x.grad = None  # dropped after each call: the baseline excludes gradients, the peak includes them
+        for p in params:
+            p.grad = None
+
+    return fwd_bwd
+
+
+def _measure_mode(fn, args, device) -> dict:
+    """ms / peak extra MiB of one mode and the flashdora paths it took."""
+    flashdora.reset_stats()
+    got = timed(fn, warmup=args.warmup, reps=args.reps, device=device)
+    return {**got, "paths": sorted(k for k in flashdora.stats() if not k.startswith("norm"))}
+
+
+def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]:
+    """All (tokens, phase, mode) rows of one (shape, rank, dtype)."""
+    d_out, d_in = weight.shape
+    layers = {}
+    if "peft_lora" in args.modes:
+        layers["peft_lora"] = build_layer(weight, rank, False, dtype_mode)
+    if {"peft_dora", "flashdora"} & set(args.modes):
+        layers["dora"] = build_layer(weight, rank, True, dtype_mode)
+        if "peft_lora" in layers:  # the same adapter values in both
+            lora, dora = layers["peft_lora"][1], layers["dora"][1]
+            with torch.no_grad():
+                lora.lora_A["default"].weight.copy_(dora.lora_A["default"].weight)
+                lora.lora_B["default"].weight.copy_(dora.lora_B["default"].weight)
+    rows = []
+    for tokens, phase in itertools.product(args.tokens, args.phases):
+        x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=phase == "fwd_bwd")
+        dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
+        for mode in args.modes:
+            model, layer = layers["peft_lora" if mode == "peft_lora" else "dora"]
+            if mode != "peft_lora":
+                (flashdora.enable if mode == "flashdora" else flashdora.disable)(model)
+            timing.free_memory(device)
+            row = {
+                "shape": shape_name(d_in, d_out),
+                "d_in": d_in,
+                "d_out": d_out,
+                "rank": rank,
+                "tokens": tokens,
+                "dtype": dtype_mode,
+                "mode": mode,
+                "phase": phase,
+            }
+            rows.append({**row, **_measure_mode(step_fn(layer, x, dy, phase, dtype_mode == "autocast"), args, device)})
+            progress()
+        del x, dy
+    del layers
+    timing.free_memory(device)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (shape, rank, tokens, dtype, phase): flashdora / peft_lora and peft_dora / flashdora time ratios."""
+    by_key: dict[tuple, dict[str, float | None]] = {}
+    for r in rows:
+        by_key.setdefault((r["shape"], r["rank"], r["tokens"], r["dtype"], r["phase"]), {})[r["mode"]] = r["ms"]
+
+    def div(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    return [
+        {
+            "shape": k[0],
+            "rank": k[1],
+            "tokens": k[2],
+            "dtype": k[3],
+            "phase": k[4],
+            "flashdora_over_lora": div(ms.get("flashdora"), ms.get("peft_lora")),
+            "dora_over_flashdora": div(ms.get("peft_dora"), ms.get("flashdora")),
+        }
+        for k, ms in by_key.items()
+    ]
+
+
+def run(args) -> int:
+    from rich.progress import Progress
+
+    device = torch.device(args.device)
+    if args.reps < 1 or args.warmup < 0:
+        raise SystemExit(f"bench layer: --reps expected >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+    torch.manual_seed(args.seed)
+    protocol = {
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "statistic": "median",
+        "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
+        "memory": "max_memory_allocated over the timed calls minus memory_allocated before them",
+        "lora_alpha": "= rank (scaling 1)",
+        "lora_dropout": 0.0,
+        "init_lora_weights": False,
+    }
+    result = record.new_result("layer", device, protocol, vars(args))
+    configs = list(itertools.product(args.shapes, args.ranks, args.dtypes))
+    per_config = len(args.tokens) * len(args.phases) * len(args.modes)
+    rows = []
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench layer", total=len(configs) * per_config)
+        for (d_in, d_out), rank, dtype_mode in configs:
+            bar.update(task, description=f"{shape_name(d_in, d_out)} r={rank} {dtype_mode}")
+            weight = torch.randn(d_out, d_in, device=device, dtype=torch.bfloat16) / d_in**0.5
+            rows += bench_config(weight, rank, dtype_mode, args, device, lambda: bar.advance(task))
+            del weight
+        if not args.no_kernels:
+            bar.update(task, description="kernels")
+            result.update(bench_kernels(args, device))
+    result["rows"] = rows
+    result["ratios"] = ratios(rows)
+    paths = record.write(result, args.out, render_markdown, render_png)
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def render_markdown(result: dict) -> str:
+    """The layer tables, from a result JSON."""
+    ms = {(r["shape"], r["rank"], r["tokens"], r["dtype"], r["phase"], r["mode"]): r for r in result["rows"]}
+    columns = [
+        "shape",
+        "r",
+        "tokens",
+        "dtype",
+        "phase",
+        "LoRA ms",
+        "DoRA ms",
+        "flashdora ms",
+        "flashdora/LoRA",
+        "DoRA/flashdora",
+        "LoRA MiB",
+        "DoRA MiB",
+        "flashdora MiB",
+    ]
+    lines = []
+    for q in result["ratios"]:
+        key = (q["shape"], q["rank"], q["tokens"], q["dtype"], q["phase"])
+        got = [ms.get((*key, m), {}) for m in MODES]
+        lines.append(
+            [
+                *key,
+                *(g.get("ms") for g in got),
+                q["flashdora_over_lora"],
+                q["dora_over_flashdora"],
+                *(g.get("peak_extra_mib") for g in got),
+            ]
+        )
+    out = [
+        record.header(result, "flashdora bench layer"),
+        "",
+        "Median ms per call; MiB: peak memory above the resident layer and inputs. DoRA = PEFT's DoRA.",
+        "",
+        record.table(columns, lines),
+    ]
+    out += render_kernels(result)
+    return "\n".join(out) + "\n"
+
+
+def render_png(result: dict, path) -> None:
+    """Time and peak extra memory relative to PEFT LoRA, per phase, for the first dtype of the run."""
+    rows = result["rows"]
+    dtype = rows[0]["dtype"] if rows else None
+    phases = [p for p in PHASES if any(r["phase"] == p for r in rows)] or ["forward"]
+    fig, axes = record.figure(len(phases), 2, (14, 4 * len(phases)))
+    for i, phase in enumerate(phases):
+        sel = [r for r in rows if r["phase"] == phase and r["dtype"] == dtype]
+        keys = list(dict.fromkeys((r["shape"], r["rank"], r["tokens"]) for r in sel))
+        look = {(r["shape"], r["rank"], r["tokens"], r["mode"]): r for r in sel}
+        for j, (field, label) in enumerate([("ms", "time"), ("peak_extra_mib", "peak extra memory")]):
+            series = {}
+            for mode in MODES:
+                vals = []
+                for k in keys:
+                    v, base = look.get((*k, mode), {}).get(field), look.get((*k, "peft_lora"), {}).get(field)
+                    vals.append(None if v is None or not base else v / base)
+                if any(v is not None for v in vals):
+                    series[mode] = vals
+            labels = [f"{s} r{r} t{t}" for s, r, t in keys]
+            record.grouped_bars(axes[i][j], labels, series, f"{label} / PEFT LoRA")
+            axes[i][j].axhline(1.0, color="k", lw=0.6)
+            axes[i][j].set_title(f"{phase}, {dtype}: {label} relative to PEFT LoRA", fontsize=9)
+            if series:
+                axes[i][j].legend(fontsize=7)
+            else:
+                axes[i][j].text(0.5, 0.5, "not measured on this device", ha="center", transform=axes[i][j].transAxes)
+    record.save(fig, path)

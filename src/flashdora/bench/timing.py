@@ -1,0 +1,111 @@
+"""The one benchmark timer: warm-up, then the median of N timed calls, and peak memory above a recorded baseline.
+
+On CUDA each call is bracketed by CUDA events (GPU time, launch gaps included); elsewhere by ``time.perf_counter``
+after a synchronize, so the same code runs in CPU tests. Peak memory is ``torch.cuda.max_memory_allocated`` over
+the timed calls minus ``torch.cuda.memory_allocated`` just before them; ``None`` off CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MIB = 2**20
+GIB = 2**30
+
+
+@dataclass
+class Measurement:
+    """Median and all timings of one benchmarked callable, and its peak memory above the baseline."""
+
+    ms: float
+    times_ms: list[float]
+    peak_extra_bytes: int | None
+
+    @property
+    def peak_extra_mib(self) -> float | None:
+        return None if self.peak_extra_bytes is None else self.peak_extra_bytes / MIB
+
+    @property
+    def peak_extra_gib(self) -> float | None:
+        return None if self.peak_extra_bytes is None else self.peak_extra_bytes / GIB
+
+
+def is_cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def synchronize(device: torch.device | str) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device | str) -> None:
+    """Drop unreachable objects and return cached blocks, so the next baseline starts clean."""
+    gc.collect()
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str) -> list[float]:
+    """Milliseconds of ``reps`` calls of ``fn`` (results are dropped at once, so they never pile up)."""
+    if is_cuda(device):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def measure(fn: Callable[[], object], *, warmup: int, reps: int, device: torch.device | str) -> Measurement:
+    """Run ``fn`` ``warmup`` times, then time ``reps`` calls; median ms and peak memory above the pre-call baseline.
+
+    The baseline is what is allocated after the warm-up (the resident model, inputs and anything ``fn`` keeps, such
+    as ``.grad`` buffers unless ``fn`` sets them to ``None``), so the peak is the transient cost of one call.
+    """
+    if reps < 1:
+        raise ValueError(f"measure: reps expected >= 1, got {reps}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    baseline = None
+    if is_cuda(device):
+        gc.collect()
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = _time_calls(fn, reps, device)
+    peak = None
+    if baseline is not None:
+        peak = max(0, torch.cuda.max_memory_allocated(device) - baseline)
+    return Measurement(ms=statistics.median(times), times_ms=times, peak_extra_bytes=peak)
+
+
+def copy_bandwidth_gbps(device: torch.device | str, *, nbytes: int = GIB, warmup: int = 3, reps: int = 20) -> float:
+    """Device-to-device copy rate in GB/s (10^9 bytes, counting bytes read + written) of one ``nbytes`` buffer."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    m = measure(lambda: dst.copy_(src), warmup=warmup, reps=reps, device=device)
+    return 2 * nbytes / (m.ms * 1e-3) / 1e9
+
+
+def gemm_tflops(device: torch.device | str, *, n: int = 8192, dtype=torch.bfloat16, warmup: int = 3, reps: int = 20):
+    """Rate of one ``[n, n] @ [n, n]`` matmul in ``dtype``, in TFLOP/s (``2 n^3`` FLOPs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    m = measure(lambda: torch.matmul(a, b, out=out), warmup=warmup, reps=reps, device=device)
+    return 2 * n**3 / (m.ms * 1e-3) / 1e12

@@ -1,0 +1,364 @@
+"""``flashdora parity``: is a flashdora model the same model as PEFT's DoRA? Logits and training curves.
+
+1. Logit fidelity: final logits of flashdora vs PEFT DoRA on the same weights and inputs, in fp32 and under bf16
+   autocast, and of both vs the same model run by PEFT in float64 (the judge).
+2. Training curves: the same model, text, seeds, dropout masks and AdamW, trained with PEFT DoRA and with flashdora
+   in lockstep; mean and max per-step |loss delta|. The text is the standard library's own source, as bytes.
+
+Writes ``<YYYY-MM-DD>_<device>_parity.{json,md,png}`` under ``--out``; exits 1 when a bar fails unless ``--no-check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import math
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+import flashdora
+from flashdora import demo
+from flashdora.bench import record
+
+MODES = ("fp32", "autocast")
+COSINE_BAR = {"fp32": 0.99999, "autocast": 0.9999}  # flashdora vs PEFT logits (issue 5)
+F64_FACTOR, F64_SLACK = 1.5, 1e-6  # flashdora's error vs float64 <= PEFT's * F64_FACTOR + F64_SLACK
+LOSS_BAR = 1e-3  # mean per-step |loss delta| (issue 5: 2000 steps x 3 seeds, bf16 autocast, r = 384)
+MAGNITUDE_SPREAD = 0.05  # relative spread put on m before the logit check (see spread_magnitudes)
+
+
+@functools.lru_cache(maxsize=2)
+def stdlib_corpus(max_bytes: int = 16 * 2**20) -> torch.Tensor:
+    """The standard library's ``.py`` files (sorted walk, no site-/dist-packages) as ``[n]`` uint8 byte ids."""
+    root = sysconfig.get_paths()["stdlib"]
+    data, size = [], 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            data.append(Path(folder, name).read_bytes())
+            size += len(data[-1])
+            if size >= max_bytes:
+                return torch.frombuffer(bytearray(b"".join(data)[:max_bytes]), dtype=torch.uint8)
+    if size == 0:
+        raise RuntimeError(f"flashdora parity: no .py files under the standard library path {root}")
+    return torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
+
+
+def sample_batches(corpus: torch.Tensor, count: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
+    """``count`` batches of ``[batch, seq]`` token ids (int64), windows of ``corpus`` at seeded random offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(corpus) - seq, (count, batch, 1), generator=gen)
+    return list(corpus[starts + torch.arange(seq)].long())
+
+
+def spread_magnitudes(model: torch.nn.Module, seed: int, spread: float = MAGNITUDE_SPREAD) -> None:
+    """Scale each DoRA magnitude by ``1 + spread * N(0, 1)``: PEFT starts at ``m = ||W + s B A||`` (g = 1), where
+    the ``(g - 1)`` terms vanish and their errors hide; training moves m off the norm."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_((1 + spread * torch.randn(p.shape, generator=gen)).to(p))
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """Cosine, ``max|out - ref| / max|ref|`` and ``||out - ref|| / ||ref||``, in float64."""
+    out, ref = out.double().flatten(), ref.double().flatten()
+    diff = out - ref
+    return {
+        "cosine": (out @ ref / (out.norm() * ref.norm()).clamp_min(1e-300)).item(),
+        "max_rel_err": (diff.abs().max() / ref.abs().max().clamp_min(1e-300)).item(),
+        "rel_err": (diff.norm() / ref.norm().clamp_min(1e-300)).item(),
+    }
+
+
+def _logits(model, input_ids: torch.Tensor, autocast: bool) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=input_ids).logits.double()
+
+
+def logit_fidelity(model, input_ids: torch.Tensor, modes=MODES) -> dict[str, dict[str, dict[str, float]]]:
+    """Final logits of ``model`` (a PEFT DoRA model, fp32) with flashdora, with PEFT, and with PEFT in float64.
+
+    Returns ``{mode: {"flash_vs_peft" | "flash_vs_f64" | "peft_vs_f64": compare(...)}}`` for ``mode`` in
+    ``fp32``/``autocast`` (bf16). Puts ``model`` in eval mode and leaves it on PEFT's path.
+    """
+    model.eval()
+    ref = _logits(flashdora.disable(copy.deepcopy(model)).double(), input_ids, autocast=False)
+    results = {}
+    for mode in modes:
+        autocast = mode == "autocast"
+        peft_out = _logits(flashdora.disable(model), input_ids, autocast)
+        out = _logits(flashdora.enable(model), input_ids, autocast)
+        results[mode] = {
+            "flash_vs_peft": compare(out, peft_out),
+            "flash_vs_f64": compare(out, ref),
+            "peft_vs_f64": compare(peft_out, ref),
+        }
+    flashdora.disable(model)
+    return results
+
+
+def _step(model, opt, batch: torch.Tensor, seed: int, autocast: bool) -> float:
+    """One AdamW step of next-token loss on ``batch``; ``seed`` fixes the dropout masks."""
+    model.train()
+    torch.manual_seed(seed)
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def train_pair(peft_model, batches, lr: float, autocast: bool, seed: int = 0, on_step=None):
+    """Train ``peft_model`` with PEFT DoRA and a copy with flashdora in lockstep (same batches, masks, AdamW).
+
+    Returns ``(peft_losses, flash_losses)``; ``on_step(step, peft_loss, flash_loss)`` is called after each step.
+    """
+    flash_model = flashdora.enable(copy.deepcopy(peft_model))
+    runs = []
+    for model in (flashdora.disable(peft_model), flash_model):
+        runs.append((model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)))
+    losses = ([], [])
+    for step, batch in enumerate(batches):
+        for (model, opt), out in zip(runs, losses, strict=True):
+            out.append(_step(model, opt, batch, seed * 1_000_003 + step, autocast))
+        if on_step is not None:
+            on_step(step, losses[0][-1], losses[1][-1])
+    return losses
+
+
+def summarize_training(curves: list[dict[str, list[float]]]) -> dict[str, float | bool]:
+    """Mean and max per-step |loss delta| over all seeds' ``{"peft": [...], "flashdora": [...]}`` curves."""
+    deltas = [abs(a - b) for c in curves for a, b in zip(c["peft"], c["flashdora"], strict=True)]
+    finite = all(math.isfinite(v) for c in curves for v in c["peft"] + c["flashdora"])
+    return {
+        "mean_abs_delta": sum(deltas) / len(deltas) if finite else math.inf,
+        "max_abs_delta": max(deltas) if finite else math.inf,
+        "finite": finite,
+    }
+
+
+def _check(name: str, value: float, op: str, bar: float) -> dict:
+    passed = value >= bar if op == ">=" else value <= bar
+    return {"name": name, "value": value, "op": op, "bar": bar, "passed": bool(passed)}
+
+
+def checks(fidelity: dict, training: dict, path_counts: dict[str, int]) -> list[dict]:
+    """Every bar of the run as ``{name, value, op, bar, passed}``."""
+    out = []
+    for mode, res in fidelity.items():
+        out.append(
+            _check(f"logits {mode}: cosine flashdora vs PEFT", res["flash_vs_peft"]["cosine"], ">=", COSINE_BAR[mode])
+        )
+        peft_err = res["peft_vs_f64"]["rel_err"]
+        out.append(
+            _check(
+                f"logits {mode}: rel. error vs float64, flashdora (bar from PEFT's)",
+                res["flash_vs_f64"]["rel_err"],
+                "<=",
+                peft_err * F64_FACTOR + F64_SLACK,
+            )
+        )
+    out.append(_check("training: mean |delta loss|", training["mean_abs_delta"], "<=", LOSS_BAR))
+    ran = path_counts.get("eager", 0) + path_counts.get("triton", 0)
+    out.append(_check("flashdora op calls (its path really ran)", ran, ">=", 1))
+    return out
+
+
+def make_record(args: dict, settings, fidelity, training, curves, check_list, counts, corpus) -> dict:
+    """The run as one JSON-able dict: ``record.new_result``'s header, then parity's sections."""
+    protocol = {
+        "judge": "the same PEFT model in float64",
+        "dropout_masks": "shared (one seed per step, both runs)",
+        "magnitude_spread": MAGNITUDE_SPREAD,
+    }
+    result = record.new_result("parity", settings["device"], protocol, args)
+    return {
+        **result,
+        "settings": {**settings, "corpus_bytes": len(corpus)},
+        "bars": {"cosine": COSINE_BAR, "f64_factor": F64_FACTOR, "f64_slack": F64_SLACK, "mean_abs_delta": LOSS_BAR},
+        "fidelity": fidelity,
+        "training": training,
+        "curves": curves,
+        "path_counts": counts,
+        "checks": check_list,
+        "passed": all(c["passed"] for c in check_list),
+    }
+
+
+def _fmt(value: float) -> str:
+    """Integers as they are, cosines with 8 decimals (the bars are 1 - 1e-5 and 1 - 1e-4), others as 1.234e-05."""
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.8f}" if 0.9 < value <= 1.0 else f"{value:.3e}"
+
+
+def _check_rows(result: dict) -> list[list[str]]:
+    return [
+        [c["name"], _fmt(c["value"]), f"{c['op']} {_fmt(c['bar'])}", "pass" if c["passed"] else "FAIL"]
+        for c in result["checks"]
+    ]
+
+
+def render_markdown(result: dict) -> str:
+    """The checks table, from a result JSON."""
+    s, json_name = result["settings"], f"{record.stem(result)}.json"
+    lines = [
+        record.header(result, "flashdora parity"),
+        "",
+        f"Llama-style `{s['size']}`, DoRA r={s['rank']}, dropout {s['dropout']}, {s['steps']} steps x {s['seeds']} "
+        f"seed(s) of {s['batch']}x{s['seq']} byte tokens, {s['dtype']}, lr {s['lr']}. "
+        f"Generated from [{json_name}]({json_name}).",
+        "",
+        record.table(["check", "value", "bar", ""], _check_rows(result)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_png(result: dict, path: Path) -> None:
+    """Both training curves per seed (top) and their per-step |loss delta| (bottom)."""
+    fig, axes = record.figure(2, 1, (9, 7))
+    top, bottom = axes[0][0], axes[1][0]
+    bottom.sharex(top)
+    for c in result["curves"]:
+        top.plot(c["peft"], lw=1.2, label=f"PEFT DoRA, seed {c['seed']}")
+        top.plot(c["flashdora"], lw=1.0, ls="--", label=f"flashdora, seed {c['seed']}")
+        deltas = [max(abs(a - b), 1e-12) for a, b in zip(c["peft"], c["flashdora"], strict=True)]
+        bottom.semilogy(deltas, lw=0.8, label=f"seed {c['seed']}")
+    bottom.axhline(LOSS_BAR, color="red", ls=":", label=f"bar on the mean ({LOSS_BAR:g})")
+    s = result["settings"]
+    top.set(
+        ylabel="training loss",
+        title=f"PEFT DoRA vs flashdora: {s['size']}, r={s['rank']}, {s['dtype']}, {result['device']['name']}",
+    )
+    bottom.set(xlabel="step", ylabel="|delta loss|")
+    top.legend(fontsize=7, ncol=2)
+    bottom.legend(fontsize=7)
+    record.save(fig, path)
+
+
+def _print_summary(result: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title="flashdora parity (vs PEFT DoRA, same weights, inputs, seeds and dropout masks)")
+    for col in ("check", "value", "bar", ""):
+        table.add_column(col, justify="left" if col == "check" else "right")
+    for name, value, bar, verdict in _check_rows(result):
+        table.add_row(name, value, bar, f"[green]{verdict}" if verdict == "pass" else f"[red]{verdict}")
+    console.print(table)
+    t = result["training"]
+    console.print(
+        f"max |delta loss| {t['max_abs_delta']:.2e}, mean {t['mean_abs_delta']:.2e}; "
+        f"flashdora path counters: {dict(sorted(result['path_counts'].items()))}"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--size", choices=sorted(demo.SIZES), default=None, help="model size (default: tiny on CPU, base on CUDA)"
+    )
+    parser.add_argument("--steps", type=int, default=50, help="training steps per seed (default 50)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds, each a fresh model and data order (default 1)")
+    parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
+    parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64 CPU, 512 CUDA)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    parser.add_argument(
+        "--dtype",
+        choices=MODES,
+        default=None,
+        help="training precision: fp32, or bf16 autocast over fp32 weights (default: autocast on "
+        "CUDA, fp32 on CPU); the logit check always runs both",
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
+    parser.add_argument("--no-check", action="store_true", help="exit 0 even when a bar fails")
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """The run's settings with device-dependent defaults resolved."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    for name in ("steps", "seeds", "rank", "batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"flashdora parity: --{name} expected >= 1, got {getattr(args, name)}")
+    return {
+        "size": args.size or ("base" if cuda else "tiny"),
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "rank": args.rank,
+        "dropout": args.dropout,
+        "seq": args.seq or (512 if cuda else 64),
+        "batch": args.batch,
+        "lr": args.lr,
+        "dtype": args.dtype or ("autocast" if cuda else "fp32"),
+        "device": str(device),
+        "optimizer": "AdamW (torch defaults besides lr)",
+        "data": "byte-level ids (0..255) of the standard library's .py sources, random windows",
+    }
+
+
+def _train_all(s: dict, corpus: torch.Tensor, console) -> list[dict[str, list[float]]]:
+    """The training comparison for every seed, under one progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    curves = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("training", total=s["steps"] * s["seeds"])
+        for seed in range(s["seeds"]):
+            model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
+            batches = [b.to(s["device"]) for b in sample_batches(corpus, s["steps"], s["batch"], s["seq"], seed)]
+
+            def on_step(step, peft_loss, flash_loss, seed=seed):
+                desc = f"seed {seed}: loss {peft_loss:.4f} |delta| {abs(peft_loss - flash_loss):.1e}"
+                progress.update(task, advance=1, description=desc)
+
+            peft, flash = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, on_step)
+            curves.append({"seed": seed, "peft": peft, "flashdora": flash})
+            del model
+    return curves
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    s = _settings(args)
+    corpus = stdlib_corpus()
+    console.print(
+        f"flashdora parity: Llama-style '{s['size']}', DoRA r={s['rank']}, dropout {s['dropout']}, {s['steps']} "
+        f"steps x {s['seeds']} seed(s) of {s['batch']}x{s['seq']} byte tokens, {s['dtype']}, on {s['device']}"
+    )
+    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=0)
+    s["params"] = {
+        "base": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "adapter": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    spread_magnitudes(model, seed=0)
+    eval_ids = sample_batches(corpus, 1, s["batch"], s["seq"], seed=12345)[0].to(s["device"])
+    flashdora.reset_stats()
+    fidelity = logit_fidelity(model, eval_ids)
+    del model
+    curves = _train_all(s, corpus, console)
+    counts = flashdora.stats()
+    training = summarize_training(curves)
+    result = make_record(vars(args), s, fidelity, training, curves, checks(fidelity, training, counts), counts, corpus)
+    paths = record.write(result, args.out, render_markdown, render_png)
+    _print_summary(result, console)
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if result["passed"] or args.no_check else 1
+
+
+if __name__ == "__main__":  # ``python -m flashdora.parity`` works without the other subcommands installed
+    _parser = argparse.ArgumentParser(prog="flashdora parity", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -1,0 +1,142 @@
+"""``flashdora bench layer|model`` on tiny CPU configs: the result files and their schema (no timing asserts)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+import transformers
+
+from flashdora.bench import layer, model, record
+from flashdora.cli import main
+
+HEADER_KEYS = {"bench", "command", "args", "commit", "dirty", "timestamp", "device", "versions", "protocol"}
+VERSION_KEYS = {"python", "torch", "cuda", "triton", "transformers", "peft", "flashdora"}
+PROTOCOL_KEYS = {"warmup", "reps", "statistic", "timer"}
+
+
+def run_bench(tmp_path, *argv) -> tuple[dict, dict]:
+    """Run ``flashdora bench ...`` into ``tmp_path``; returns (result JSON, {suffix: path})."""
+    assert main(["bench", *argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    files = {p.suffix: p for p in tmp_path.iterdir()}
+    assert set(files) == {".json", ".md", ".png"}
+    assert len({p.stem for p in files.values()}) == 1
+    return json.loads(files[".json"].read_text()), files
+
+
+def check_header(result: dict, bench: str, tmp_path) -> None:
+    assert HEADER_KEYS <= set(result)
+    assert result["bench"] == bench
+    assert result["command"] and all(isinstance(a, str) for a in result["command"])
+    assert result["args"]["out"] == str(tmp_path)
+    assert VERSION_KEYS <= set(result["versions"])
+    assert result["torch"] == torch.__version__ and result["peft"] and result["transformers"]
+    assert PROTOCOL_KEYS <= set(result["protocol"])
+    assert result["device"]["type"] == "cpu"
+    assert {"name", "capability", "memory_gib"} <= set(result["device"])
+    assert (tmp_path / f"{result['timestamp'][:10]}_cpu_{bench}.json").exists()
+
+
+def test_layer_files_and_schema(tmp_path):
+    argv = ["layer", "--shapes", "32x48", "--ranks", "4", "--tokens", "8", "--reps", "2", "--warmup", "1"]
+    result, files = run_bench(tmp_path, *argv, "--norm-shape", "32x64", "--norm-rank", "4")
+    check_header(result, "layer", tmp_path)
+    rows = result["rows"]
+    assert len(rows) == 2 * 3 * 2  # dtypes x modes x phases
+    assert {(r["dtype"], r["mode"], r["phase"]) for r in rows} == {
+        (d, m, p) for d in layer.DTYPES for m in layer.MODES for p in layer.PHASES
+    }
+    for r in rows:
+        assert (r["shape"], r["d_in"], r["d_out"], r["rank"], r["tokens"]) == ("32x48", 32, 48, 4, 8)
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["peak_extra_mib"] is None  # no memory numbers off CUDA
+    assert all(r["paths"] for r in rows if r["mode"] == "flashdora")  # flashdora ran, PEFT did not
+    assert not any(r["paths"] for r in rows if r["mode"] != "flashdora")
+    assert len(result["ratios"]) == 2 * 2
+    assert all(q["flashdora_over_lora"] > 0 and q["dora_over_flashdora"] > 0 for q in result["ratios"])
+    assert result["device_peaks"]["copy_gbps"] > 0 and result["device_peaks"]["bf16_gemm_tflops"] > 0
+    assert [(c["impl"], c["save_inner"]) for c in result["compose"] if c["impl"] == "eager"] == [
+        ("eager", True),
+        ("eager", False),
+    ]
+    assert all(c["ms"] > 0 and c["gbps"] > 0 for c in result["compose"] if c["impl"] == "eager")
+    assert any(n["impl"] == "eager" and n["tflops"] > 0 for n in result["norm"])
+    assert {n["impl"] for n in result["norm_compare"]} == {"peft_dense", "flashdora.factored_norm", "flashdora_eager"}
+    assert all(n["ms"] > 0 for n in result["norm_compare"])
+    md = files[".md"].read_text()
+    assert "| 32x48 | 4 | 8 | autocast | forward |" in md and "## Kernels alone" in md
+
+
+def test_layer_restricted_lists_no_kernels(tmp_path):
+    argv = ["layer", "--shapes", "16x24", "--ranks", "2", "--tokens", "4", "--dtypes", "bf16", "--modes", "flashdora"]
+    result, _ = run_bench(tmp_path, *argv, "--phases", "fwd_bwd", "--reps", "1", "--warmup", "0", "--no-kernels")
+    assert [(r["dtype"], r["mode"], r["phase"]) for r in result["rows"]] == [("bf16", "flashdora", "fwd_bwd")]
+    assert result["ratios"][0]["flashdora_over_lora"] is None  # no LoRA row to divide by
+    assert "device_peaks" not in result
+
+
+def test_model_files_and_schema(tmp_path):
+    result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
+    check_header(result, "model", tmp_path)
+    records = result["records"]
+    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in model.MODES for p in model.PHASES}
+    for r in records:
+        assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
+        assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["peak_extra_gib"] is None
+    assert all(r["paths"] for r in records if r["mode"] == "flashdora")
+    assert result["config"]["num_hidden_layers"] == 2
+    assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
+
+
+def test_model_config_file_layers_and_bias(tmp_path):
+    config = transformers.Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=3,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )  # Qwen2: q/k/v with bias
+    path = tmp_path / "cfg" / "small-qwen2.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    out = tmp_path / "out"
+    argv = ["model", "--config", str(path), "--layers", "1", "--rank", "8", "--seq", "8", "--dtype", "bf16"]
+    result, _ = run_bench(out, *argv, "--modes", "peft_dora", "flashdora", "--reps", "1", "--warmup", "0")
+    assert result["config"]["model_type"] == "qwen2" and result["config"]["num_hidden_layers"] == 1
+    assert {r["preset"] for r in result["records"]} == {"small-qwen2-1l"}
+    assert [(r["mode"], r["phase"]) for r in result["records"]] == [
+        ("peft_dora", "inference"),
+        ("peft_dora", "grad"),
+        ("flashdora", "inference"),
+        ("flashdora", "grad"),
+    ]
+    assert all("error" not in r for r in result["records"])
+
+
+def test_render_regenerates_markdown_from_json(tmp_path):
+    result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "8", "--modes", "base", "--reps", "1")
+    before = files[".md"].read_text()
+    files[".md"].unlink()
+    record.render(files[".json"], model.render_markdown, None)
+    assert files[".md"].read_text() == before
+
+
+def test_parse_shape_errors():
+    assert layer.parse_shape("4096x14336") == (4096, 14336)
+    with pytest.raises(argparse.ArgumentTypeError, match="D_INxD_OUT"):
+        layer.parse_shape("4096")
+    with pytest.raises(argparse.ArgumentTypeError, match="positive"):
+        layer.parse_shape("0x8")
+
+
+def test_device_slug():
+    cuda = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}
+    assert record.device_slug(cuda) == "nvidia-h100-80gb-hbm3"
+    assert record.device_slug({"type": "cpu", "name": "x86_64"}) == "cpu"
+
+
+def test_table_escapes_pipes():
+    assert record.table(["check"], [["mean |delta loss|"]]).splitlines()[-1] == "| mean \\|delta loss\\| |"

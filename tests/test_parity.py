@@ -1,0 +1,123 @@
+"""``flashdora parity`` on a tiny CPU model: numbers within the bars, and the checker fails a broken model."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import flashdora
+from flashdora import demo, parity
+from flashdora.cli import main
+
+RANK, BATCH, SEQ = 4, 2, 32
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return parity.stdlib_corpus(2**20)
+
+
+def _model(seed=0):
+    model = demo.build_peft_model("tiny", RANK, 0.05, "cpu", seed)
+    parity.spread_magnitudes(model, seed)
+    return model
+
+
+def _broken_enable(model):
+    """flashdora with every magnitude of the first DoRA layer 1% off: a model the checker must reject."""
+    flashdora.peft_integration.enable(model)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_magnitude_vector" in n).mul_(1.01)
+    return model
+
+
+def test_corpus_and_batches_are_deterministic_bytes(corpus):
+    assert corpus.dtype == torch.uint8 and len(corpus) == 2**20
+    assert torch.equal(corpus, parity.stdlib_corpus.__wrapped__(2**20))
+    batches = parity.sample_batches(corpus, 3, BATCH, SEQ, seed=0)
+    assert [tuple(b.shape) for b in batches] == [(BATCH, SEQ)] * 3 and batches[0].dtype == torch.int64
+    assert all(
+        torch.equal(a, b) for a, b in zip(batches, parity.sample_batches(corpus, 3, BATCH, SEQ, 0), strict=True)
+    )
+    assert not torch.equal(batches[0], parity.sample_batches(corpus, 1, BATCH, SEQ, seed=1)[0])
+
+
+def test_logit_fidelity_within_bars(corpus):
+    ids = parity.sample_batches(corpus, 1, BATCH, SEQ, seed=1)[0]
+    res = parity.logit_fidelity(_model(), ids)
+    fp32 = res["fp32"]
+    assert fp32["flash_vs_peft"]["cosine"] >= parity.COSINE_BAR["fp32"]
+    assert fp32["flash_vs_f64"]["rel_err"] <= fp32["peft_vs_f64"]["rel_err"] * 1.5 + 1e-6
+    assert res["autocast"]["flash_vs_peft"]["cosine"] >= parity.COSINE_BAR["autocast"]
+    # the bf16 run is really lower precision than fp32, so the float64 comparison has something to measure
+    assert res["autocast"]["peft_vs_f64"]["rel_err"] > 100 * fp32["peft_vs_f64"]["rel_err"]
+    results = parity.checks(res, {"mean_abs_delta": 0.0}, {"eager": 1})
+    assert all(c["passed"] for c in results), [c for c in results if not c["passed"]]
+
+
+def test_logit_fidelity_fails_a_broken_model(corpus, monkeypatch):
+    monkeypatch.setattr(flashdora, "enable", _broken_enable)
+    ids = parity.sample_batches(corpus, 1, BATCH, SEQ, seed=1)[0]
+    res = parity.logit_fidelity(_model(), ids)
+    failed = {c["name"] for c in parity.checks(res, {"mean_abs_delta": 0.0}, {"eager": 1}) if not c["passed"]}
+    assert "logits fp32: cosine flashdora vs PEFT" in failed
+    assert any(name.startswith("logits fp32: rel. error vs float64") for name in failed)
+
+
+def _train(corpus, steps=3):
+    batches = parity.sample_batches(corpus, steps, BATCH, SEQ, seed=0)
+    peft, flash = parity.train_pair(demo.build_peft_model("tiny", RANK, 0.05, "cpu"), batches, lr=1e-3, autocast=False)
+    return peft, parity.summarize_training([{"seed": 0, "peft": peft, "flashdora": flash}])
+
+
+def test_training_curves_match_in_fp32(corpus):
+    peft, summary = _train(corpus)
+    assert summary["finite"] and summary["mean_abs_delta"] < 1e-4, summary
+    assert len(set(peft)) == 3  # it trained: every step saw a different loss
+
+
+def test_training_comparison_fails_a_broken_model(corpus, monkeypatch):
+    monkeypatch.setattr(flashdora, "enable", _broken_enable)
+    _, summary = _train(corpus)
+    assert summary["mean_abs_delta"] > 1e-4, summary
+
+
+def test_checks_fail_when_flashdora_never_ran():
+    fidelity = {"fp32": {k: {"cosine": 1.0, "rel_err": 0.0} for k in ("flash_vs_peft", "flash_vs_f64", "peft_vs_f64")}}
+    failed = [c["name"] for c in parity.checks(fidelity, {"mean_abs_delta": 0.0}, {}) if not c["passed"]]
+    assert failed == ["flashdora op calls (its path really ran)"]
+
+
+def _argv(tmp_path, *extra):
+    argv = ["--size", "tiny", "--steps", "3", "--seeds", "1", "--rank", str(RANK), "--seq", str(SEQ)]
+    return [*argv, "--batch", str(BATCH), "--device", "cpu", "--out", str(tmp_path), *extra]
+
+
+def _args(tmp_path, *extra):
+    parser = argparse.ArgumentParser()
+    parity.add_arguments(parser)
+    return parser.parse_args(_argv(tmp_path, *extra))
+
+
+def test_run_writes_json_markdown_and_png(tmp_path):
+    argv = ["parity", *_argv(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("*_cpu_parity.json")
+    record = json.loads(path.read_text())
+    keys = {"bench", "command", "commit", "dirty", "timestamp", "device", "versions", "settings", "fidelity"}
+    assert keys | {"training", "curves", "checks", "passed", "torch", "triton", "transformers", "peft"} <= set(record)
+    assert record["command"] == ["flashdora", *argv] and record["torch"] == torch.__version__
+    assert record["passed"] and record["settings"]["steps"] == 3 and len(record["curves"][0]["flashdora"]) == 3
+    assert {"torch", "peft", "transformers", "flashdora"} <= set(record["versions"])
+    assert record["device"]["type"] == "cpu" and record["protocol"]["magnitude_spread"] == parity.MAGNITUDE_SPREAD
+    assert path.with_suffix(".md").read_text().count("| pass |") == len(record["checks"])
+    assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_run_exits_nonzero_on_a_broken_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(flashdora, "enable", _broken_enable)
+    assert parity.run(_args(tmp_path)) == 1
+    (path,) = tmp_path.glob("*_parity.json")
+    assert json.loads(path.read_text())["passed"] is False
+    assert parity.run(_args(tmp_path, "--no-check")) == 0
