@@ -3,7 +3,9 @@
 Each (shape, rank, dtype) builds one bf16 ``nn.Linear`` weight, wraps it with PEFT twice (LoRA and DoRA, the same
 ``lora_A``/``lora_B`` values, ``lora_B`` non-zero) and times every (tokens, phase, mode) on the same ``x`` and
 ``dy``. ``flashdora`` is the PEFT DoRA layer after ``flashdora.enable``; ``peft_dora`` the same layer after
-``flashdora.disable``. The kernel sections live in ``bench/kernels.py``. Protocol and result keys: docs/benchmarks.md.
+``flashdora.disable``. Each ``fwd_bwd`` call first marks the trainable parameters as changed (as an optimizer step
+would), so flashdora recomputes its cached norm every call; ``forward`` keeps the cache (fixed weights). The kernel
+sections live in ``bench/kernels.py``. Protocol and result keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, phase: str, aut
     params = [p for p in layer.parameters() if p.requires_grad]
 
     def fwd_bwd():
+        # What an optimizer step does to the weights' versions: flashdora's cached norm is recomputed each step.
+        torch.autograd.graph.increment_version(params)
         with amp():
             y = layer(x)
         y.backward(dy)

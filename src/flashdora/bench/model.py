@@ -1,8 +1,10 @@
 """``flashdora bench model``: a whole model from a transformers config, random weights, base vs LoRA vs DoRA.
 
 The base model is built once (bf16, gradient checkpointing on) and wrapped in turn: PEFT LoRA (then unloaded),
-PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable`` and as ``flashdora`` after ``flashdora.enable``, then
-unloaded). Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False``
+PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable`` and as
+``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)``, then unloaded). Each timed ``grad`` step first
+marks the trainable parameters as changed (``increment_version``, as an optimizer step would), so flashdora's norm
+cache recomputes the norm once per step, as in real training; ``inference`` keeps the cache (weights are fixed). Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False``
 (random non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: docs/benchmarks.md.
 """
 
@@ -23,7 +25,7 @@ import flashdora
 from flashdora.bench import record, timing
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODES = ("base", "peft_lora", "peft_dora", "flashdora")
+MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")
 PHASES = ("inference", "grad")
 _LLAMA, _QWEN2 = "LlamaConfig", "Qwen2Config"
 # name -> (transformers config class, fields); random weights, so only the shapes matter.
@@ -175,6 +177,7 @@ def step_fn(model, ids, phase: str, args):
     params = [p for p in model.parameters() if p.requires_grad]
 
     def grad():
+        torch.autograd.graph.increment_version(params)  # what an optimizer step does to the weights' versions
         for _ in range(args.grad_accum):
             with amp():
                 loss = call(input_ids=ids, labels=ids).loss / args.grad_accum
@@ -270,7 +273,8 @@ def run(args) -> int:
         build_s["base"] = time.perf_counter() - t0
         if "base" in args.modes:
             records += measure_mode(model, "base", ids, args, device, base_row, bar, task)
-        for use_dora, modes in ((False, ["peft_lora"]), (True, ["peft_dora", "flashdora"])):
+        dora_modes = ["peft_dora", "flashdora", "flashdora_nocache"]
+        for use_dora, modes in ((False, ["peft_lora"]), (True, dora_modes)):
             modes = [m for m in modes if m in args.modes]
             if not modes:
                 continue
@@ -279,7 +283,10 @@ def run(args) -> int:
             peft_model = wrap(model, args, use_dora)
             build_s["peft_dora" if use_dora else "peft_lora"] = time.perf_counter() - t0
             for mode in modes:
-                (flashdora.enable if mode == "flashdora" else flashdora.disable)(peft_model)
+                if mode == "peft_dora":
+                    flashdora.disable(peft_model)
+                else:
+                    flashdora.enable(peft_model, norm_cache=mode == "flashdora")
                 records += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task)
             model = peft_model.unload()
             del peft_model
