@@ -178,7 +178,7 @@ def bench_norm(gemm_tflops: float):
         ref = _norm_ref(weight, lora_A, lora_B, s)
         ms = ms_of(fn)
         eager_ms = ms_of(partial(norm_sq_eager, weight, lora_A, lora_B, s))
-        gram_ms = ms_of(partial(kn.gram, lora_A, weight.dtype))
+        gram_ms = ms_of(partial(kn.gram, lora_A))
         flops = 2 * d_out * d_in * r
         best = getattr(kn._norm_fwd_kernel, "best_config", None)
         entry = dict(bench="norm", d_out=d_out, d_in=d_in, r=r, weight_dtype=str(wd).removeprefix("torch."),
@@ -196,7 +196,7 @@ def sweep_norm(weight, lora_A, lora_B, s, gemm_tflops):
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     a = lora_A.to(weight.dtype).contiguous()
-    gram = kn.gram(lora_A, weight.dtype)
+    gram = kn.gram(lora_A)
     br = configs.norm_block_r(r)
     part = torch.empty((triton.cdiv(r, br), d_out), device="cuda")
     out = []
@@ -223,15 +223,13 @@ def sweep_norm(weight, lora_A, lora_B, s, gemm_tflops):
     w_sq_ms = ms_of(partial(torch.linalg.vector_norm, weight, dim=1, dtype=torch.float32))
     a32 = lora_A.float()
     gram_torch_fp32_ms = ms_of(partial(torch.mm, a32, a32.T))
-    gram_tf32_ms = ms_of(partial(kn.gram, lora_A, torch.bfloat16))
-    gram_tf32x3_ms = ms_of(partial(kn.gram, lora_A, torch.float32))
-    g_err = rel(kn.gram(lora_A, torch.bfloat16), lora_A.double() @ lora_A.double().T)
-    g3_err = rel(kn.gram(lora_A, torch.float32), lora_A.double() @ lora_A.double().T)
+    gram_tf32x3_ms = ms_of(partial(kn.gram, lora_A))
+    g3_err = rel(kn.gram(lora_A), lora_A.double() @ lora_A.double().T)
     cast_ms = ms_of(partial(lora_A.to, weight.dtype))
     cublas_cross_ms = ms_of(partial(torch.matmul, weight, a.T))
     unfused_w_sq_ms = ms_of(partial(kn.factored_norm_sq, weight, lora_A, lora_B, s, fuse_w_sq=False))
-    extra = dict(torch_w_sq_ms=w_sq_ms, gram_torch_fp32_ms=gram_torch_fp32_ms, gram_tf32_ms=gram_tf32_ms,
-                 gram_tf32x3_ms=gram_tf32x3_ms, gram_tf32_rel_err=g_err, gram_tf32x3_rel_err=g3_err, cast_A_ms=cast_ms,
+    extra = dict(torch_w_sq_ms=w_sq_ms, gram_torch_fp32_ms=gram_torch_fp32_ms,
+                 gram_tf32x3_ms=gram_tf32x3_ms, gram_tf32x3_rel_err=g3_err, cast_A_ms=cast_ms,
                  cublas_cross_term_ms=cublas_cross_ms,
                  cublas_cross_term_pct_gemm=100 * 2 * d_out * d_in * r / cublas_cross_ms / 1e9 / gemm_tflops,
                  full_call_w_sq_separate_ms=unfused_w_sq_ms)  # fmt: skip

@@ -65,12 +65,14 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     with torch.autocast(result.device.type, enabled=False):
         lx_c = lx.to(compute_dtype)
         a = F.linear(lx_c, lora_A.to(compute_dtype))  # [..., r]
-        lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
-        if triton:
-            from flashdora.kernels.compose import compose_fwd
+        g, gm1 = scales[0], scales[1]
+        if triton:  # the LoRA B matmul runs inside the compose kernel: its output is never written
+            from flashdora.kernels.compose import compose_fwd_fused
+
+            y, inner = compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
         else:
-            compose_fwd = compose_fwd_eager
-        y, inner = compose_fwd(result, lora, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner)
+            lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
+            y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     return y, a, inner, lx_c
 
 

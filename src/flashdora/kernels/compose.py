@@ -1,0 +1,273 @@
+"""DoRA compose forward and backward kernels and their launch wrappers (math: docs/math.md).
+
+Eager twins: ``compose_fwd_eager`` / ``compose_bwd_eager`` in ``ops/compose.py``. Every kernel reads each input
+once and writes each output once; the math runs in ``g``'s dtype (float32, or float64 for references).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdora.kernels import configs
+
+
+@triton.jit
+def _to_out(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``x.to(DTYPE)``; with EMULATE_RNE, rounds fp32 -> bf16 to nearest even by hand, as the GPU does.
+
+    The Triton 3.9 CPU interpreter truncates fp32 -> bf16 conversions; the wrappers set EMULATE_RNE only there.
+    """
+    if EMULATE_RNE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _compose_tile(
+    b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    offs_m, offs_n, mask_m, mask_n, scaling,
+    stride_result, stride_lx_base, stride_y, stride_inner,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):  # fmt: skip
+    """The compose of one [BLOCK_M, BLOCK_N] tile given its LoRA output ``b_lora``: loads the rest, stores y, inner."""
+    mask = mask_m[:, None] & mask_n[None, :]  # [BLOCK_M, BLOCK_N]
+    b_g = tl.load(p_g + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+    acc = b_g.dtype
+    b_result = tl.load(p_result + offs_m[:, None] * stride_result + offs_n[None, :], mask=mask, other=0.0)
+    s_lora = b_lora.to(acc) * scaling  # [BLOCK_M, BLOCK_N]
+    if HAS_LX_BASE:
+        b_gm1 = tl.load(p_gm1 + offs_n, mask=mask_n, other=0.0)
+        b_lx_base = tl.load(p_lx_base + offs_m[:, None] * stride_lx_base + offs_n[None, :], mask=mask, other=0.0)
+        b_lx_base = b_lx_base.to(acc)
+        b_y = b_result.to(acc) + b_gm1[None, :] * b_lx_base + b_g[None, :] * s_lora
+        b_inner = b_lx_base + s_lora
+    else:
+        b_inner = b_result.to(acc) + s_lora
+        if HAS_BIAS:
+            b_bias = tl.load(p_bias + offs_n, mask=mask_n, other=0.0).to(acc)
+            b_inner = b_inner - b_bias[None, :]
+            b_y = b_g[None, :] * b_inner + b_bias[None, :]
+        else:
+            b_y = b_g[None, :] * b_inner
+    p_out = p_y + offs_m[:, None] * stride_y + offs_n[None, :]
+    tl.store(p_out, _to_out(b_y, p_y.dtype.element_ty, EMULATE_RNE), mask=mask)
+    if SAVE_INNER:
+        p_out = p_inner + offs_m[:, None] * stride_inner + offs_n[None, :]
+        tl.store(p_out, _to_out(b_inner, p_inner.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+@triton.autotune(configs=configs.COMPOSE_FWD, key=["N"])
+@triton.jit(do_not_specialize=["T"])
+def _compose_fwd_kernel(
+    p_result, p_lora, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    T, N, scaling,
+    stride_result, stride_lora, stride_lx_base, stride_y, stride_inner,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of y (and inner); rows are tokens, columns are d_out."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N]
+    mask_m = offs_m < T
+    mask_n = offs_n < N
+    p_lora_tile = p_lora + offs_m[:, None] * stride_lora + offs_n[None, :]
+    b_lora = tl.load(p_lora_tile, mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+    _compose_tile(
+        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        offs_m, offs_n, mask_m, mask_n, scaling,
+        stride_result, stride_lx_base, stride_y, stride_inner,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, EMULATE_RNE,
+    )  # fmt: skip
+
+
+@triton.autotune(configs=configs.COMPOSE_FUSED, key=["N", "R"])
+@triton.jit(do_not_specialize=["T"])
+def _compose_fused_fwd_kernel(
+    p_result, p_a, p_lora_B, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    T, N, R, scaling,
+    stride_result, stride_a, stride_lora_B, stride_lx_base, stride_y, stride_inner,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``_compose_fwd_kernel`` with the LoRA output tile computed in place as ``a[rows] @ lora_B[cols]^T`` (K = r)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # [BLOCK_K]
+    mask_m = offs_m < T
+    mask_n = offs_n < N
+    p_ak = p_a + offs_m[:, None] * stride_a + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_bk = p_lora_B + offs_k[:, None] + offs_n[None, :] * stride_lora_B  # [BLOCK_K, BLOCK_N], lora_B^T
+    b_lora = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, R, BLOCK_K):
+        mask_k = (k + offs_k) < R
+        b_a = tl.load(p_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b_b = tl.load(p_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST_DOT:  # the 3.9 interpreter multiplies bf16 blocks as raw integers; exact values, fp32 product
+            b_lora = tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), b_lora, input_precision=DOT_PRECISION)
+        else:
+            b_lora = tl.dot(b_a, b_b, b_lora, input_precision=DOT_PRECISION)
+        p_ak += BLOCK_K
+        p_bk += BLOCK_K
+    _compose_tile(
+        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        offs_m, offs_n, mask_m, mask_n, scaling,
+        stride_result, stride_lx_base, stride_y, stride_inner,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, EMULATE_RNE,
+    )  # fmt: skip
+
+
+@triton.autotune(configs=configs.COMPOSE_BWD, key=["N"])
+@triton.jit(do_not_specialize=["T", "rows_per_prog"])
+def _compose_bwd_kernel(
+    p_dy, p_inner, p_g, p_gm1, p_gdy, p_d_lx_base, p_dg_part,
+    T, N, rows_per_prog,
+    stride_dy, stride_inner, stride_gdy, stride_d_lx_base,
+    HAS_INNER: tl.constexpr, HAS_LX_BASE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """g dy and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of dy * inner."""
+    pid_s = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N]
+    mask_n = offs_n < N
+    b_g = tl.load(p_g + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
+    b_gm1 = tl.load(p_gm1 + offs_n, mask=mask_n, other=0.0)
+    acc = b_g.dtype
+    b_dg = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc)
+    row_start = pid_s * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, T)
+    for start in range(0, rows_per_prog, BLOCK_M):
+        offs_m = row_start + start + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+        mask = (offs_m < row_end)[:, None] & mask_n[None, :]  # [BLOCK_M, BLOCK_N]
+        b_dy = tl.load(p_dy + offs_m[:, None] * stride_dy + offs_n[None, :], mask=mask, other=0.0).to(acc)
+        b_gdy = b_g[None, :] * b_dy
+        p_out = p_gdy + offs_m[:, None] * stride_gdy + offs_n[None, :]
+        tl.store(p_out, _to_out(b_gdy, p_gdy.dtype.element_ty, EMULATE_RNE), mask=mask)
+        if HAS_LX_BASE:
+            b_dlb = b_gm1[None, :] * b_dy
+            p_out = p_d_lx_base + offs_m[:, None] * stride_d_lx_base + offs_n[None, :]
+            tl.store(p_out, _to_out(b_dlb, p_d_lx_base.dtype.element_ty, EMULATE_RNE), mask=mask)
+        if HAS_INNER:
+            b_inner = tl.load(p_inner + offs_m[:, None] * stride_inner + offs_n[None, :], mask=mask, other=0.0)
+            b_dg += b_dy * b_inner.to(acc)
+    if HAS_INNER:
+        tl.store(p_dg_part + pid_s * N + offs_n, tl.sum(b_dg, axis=0), mask=mask_n)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as a 2-D ``[tokens, n]`` tensor whose last dim has stride 1 (a view when the strides allow)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
+    """Shared forward plumbing: 2-D views, optional-input stand-ins and the (y, inner) outputs."""
+    n = result.shape[-1]
+    assert g.shape == (n,) and gm1.shape == (n,) and g.is_contiguous() and gm1.is_contiguous()
+    assert g.dtype == gm1.dtype
+    res2 = _rows(result, n)
+    has_lx_base = lx_base is not None
+    has_bias = bias is not None and not has_lx_base
+    lb2 = _rows(lx_base, n) if has_lx_base else res2
+    bias_c = bias.contiguous() if has_bias else g
+    t = res2.shape[0]
+    y = torch.empty((t, n), dtype=result.dtype, device=result.device)
+    inner = torch.empty((t, n), dtype=result.dtype, device=result.device) if save_inner else y
+    flags = dict(HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, EMULATE_RNE=configs.INTERPRETED)
+    return res2, lb2, bias_c, y, inner, flags
+
+
+def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
+    """Triton ``compose_fwd_eager``: ``(y, inner or None)``, both shaped and typed like ``result``."""
+    assert lora.shape == result.shape
+    res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+    lora2 = _rows(lora, result.shape[-1])
+    t, n = y.shape
+    if t > 0 and n > 0:
+        grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+        _compose_fwd_kernel[grid](
+            res2, lora2, lb2, bias_c, g, gm1, y, inner,
+            t, n, float(scaling),
+            res2.stride(0), lora2.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
+            **flags,
+        )  # fmt: skip
+    return y.view(result.shape), inner.view(result.shape) if save_inner else None
+
+
+def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
+    """``compose_fwd(result, a @ lora_B^T, ...)`` with the LoRA B matmul inside the kernel (never written out).
+
+    ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]``, cast to ``a``'s dtype like the eager
+    matmul. The LoRA tile stays in float32 (the unfused path rounds it to ``a``'s dtype first).
+    """
+    r = a.shape[-1]
+    assert a.shape[:-1] == result.shape[:-1] and lora_B.shape == (result.shape[-1], r)
+    res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+    a2 = _rows(a, r)
+    b = lora_B.to(a.dtype)
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    t, n = y.shape
+    if t > 0 and n > 0:
+        grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+        _compose_fused_fwd_kernel[grid](
+            res2, a2, b, lb2, bias_c, g, gm1, y, inner,
+            t, n, r, float(scaling),
+            res2.stride(0), a2.stride(0), b.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
+            **flags,
+            DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
+            UPCAST_DOT=configs.INTERPRETED and a.dtype == torch.bfloat16,
+        )  # fmt: skip
+    return y.view(result.shape), inner.view(result.shape) if save_inner else None
+
+
+def compose_bwd(dy, inner, g, gm1, has_lx_base):
+    """Triton ``compose_bwd_eager``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner or None)``.
+
+    ``dg`` is deterministic: each program writes the partial sum of its own token range to a
+    ``[n_splits, d_out]`` buffer, then ``torch.sum`` adds the rows in a fixed order.
+    """
+    n = dy.shape[-1]
+    assert g.shape == (n,) and gm1.shape == (n,) and g.is_contiguous() and gm1.is_contiguous()
+    assert inner is None or inner.shape == dy.shape
+    dy2 = _rows(dy, n)
+    inner2 = _rows(inner, n) if inner is not None else dy2
+    t = dy2.shape[0]
+    gdy = torch.empty((t, n), dtype=dy.dtype, device=dy.device)
+    d_lx_base = torch.empty((t, n), dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
+    rows_per_prog = _rows_per_prog(t, n, dy.device)
+    n_split = triton.cdiv(t, rows_per_prog) if t > 0 else 0
+    dg_part = torch.empty((n_split, n), dtype=g.dtype, device=dy.device) if inner is not None else g
+    if t > 0 and n > 0:
+        grid = lambda meta: (n_split, triton.cdiv(n, meta["BLOCK_N"]))
+        _compose_bwd_kernel[grid](
+            dy2, inner2, g, gm1, gdy, d_lx_base, dg_part,
+            t, n, rows_per_prog,
+            dy2.stride(0), inner2.stride(0), gdy.stride(0), d_lx_base.stride(0),
+            HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED,
+        )  # fmt: skip
+    dg = None
+    if inner is not None:
+        dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
+    return gdy.view(dy.shape), d_lx_base.view(dy.shape) if has_lx_base else None, dg
+
+
+def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
+    """Tokens per backward program: a multiple of every BLOCK_M, sized for a few waves; independent of config."""
+    q = configs.COMPOSE_BWD_ROW_QUANTUM
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 2
+    target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
+    col_blocks = triton.cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
+    n_split = max(1, triton.cdiv(target, col_blocks))
+    return max(q, triton.cdiv(triton.cdiv(t, n_split), q) * q)

@@ -1,0 +1,108 @@
+"""Autotune config lists and block-size heuristics for every flashdora kernel, in one place.
+
+Under ``TRITON_INTERPRET=1`` each list is cut to one small config: the interpreter would otherwise "benchmark"
+every config in Python, and one config skips the autotuner's timing altogether.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pick(gpu: list[triton.Config], interpreted: triton.Config) -> list[triton.Config]:
+    return [interpreted] if INTERPRETED else gpu
+
+
+# Compose forward/backward: memory-bound tiles over [tokens, d_out]; key ["N"] (d_out), never the token count.
+COMPOSE_FWD = _pick(
+    [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 256}, num_warps=4),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 256}, num_warps=8),
+        triton.Config({"BLOCK_M": 8, "BLOCK_N": 512}, num_warps=4),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4),
+    ],
+    triton.Config({"BLOCK_M": 8, "BLOCK_N": 32}, num_warps=1),
+)
+
+# Compose with the LoRA B matmul inside (K = r): GEMM tiles; key ["N", "R"].
+COMPOSE_FUSED = _pick(
+    [
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+    ],
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=1, num_stages=1),
+)
+
+# The backward walks a fixed token range per program (set by the wrapper, so dg's summation order does not depend
+# on the config) in steps of BLOCK_M.
+COMPOSE_BWD = _pick(
+    [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 256}, num_warps=4),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 256}, num_warps=8),
+        triton.Config({"BLOCK_M": 8, "BLOCK_N": 512}, num_warps=4),
+        triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4),
+    ],
+    triton.Config({"BLOCK_M": 8, "BLOCK_N": 32}, num_warps=1),
+)
+# Tokens per backward program: a multiple of every BLOCK_M above; the split count aims at a few waves of programs.
+COMPOSE_BWD_ROW_QUANTUM = 32
+COMPOSE_BWD_TARGET_PROGRAMS_PER_SM = 16
+COMPOSE_BWD_MIN_COL_BLOCK = 128  # the column block assumed when sizing the split (the smallest BLOCK_N above)
+
+# Factored norm: a GEMM [d_out, d_in] x [d_in, r] with the row-dot against B in its epilogue. BLOCK_R (the r-slice
+# per program) comes from norm_block_r, not the autotuner, so the partial-sum buffer's rows do not depend on the
+# config; configs too big for shared memory at W's element size are shrunk by prune_norm.
+NORM_FWD = _pick(
+    [
+        triton.Config({"BLOCK_M": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+    ],
+    triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
+)
+NORM_GRAM_BLOCK_K = 32  # K step of the in-epilogue B_rows @ G[:, r-slice] product (K = r)
+NORM_SMEM_BYTES = 200 * 1024  # operand ring budget (H100 allows 227 KiB per block; the epilogue needs some too)
+
+
+def norm_block_r(r: int) -> int:
+    """The r-slice per program: next_pow2(r) from 16 up to 128 (wider slices hold too many accumulators)."""
+    return min(128, max(16, triton.next_power_of_2(r)))
+
+
+def prune_norm(configs, named_args, **kwargs):
+    """Drop configs whose W/A operand ring overflows shared memory; shrink the smallest if none fits."""
+    esize = named_args["p_w"].element_size()
+    block_r = kwargs.get("BLOCK_R", named_args.get("BLOCK_R"))
+
+    def smem(c):
+        return c.num_stages * (c.kwargs["BLOCK_M"] + block_r) * c.kwargs["BLOCK_K"] * esize
+
+    kept = [c for c in configs if smem(c) <= NORM_SMEM_BYTES]
+    if kept:
+        return kept
+    c = min(configs, key=smem)
+    return [triton.Config({"BLOCK_M": c.kwargs["BLOCK_M"], "BLOCK_K": 32}, num_warps=c.num_warps, num_stages=2)]
+
+
+def gram_blocks(r: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K) of the split-K ``A A^T`` kernel."""
+    if INTERPRETED:
+        return 16, 16
+    return min(64, max(16, triton.next_power_of_2(r))), 64
+
+
+def gram_splits(tiles: int, d_in: int, block_k: int, device) -> int:
+    """Split-K factor for ``A A^T``: about two programs per SM, at least one K block per split."""
+    if device.type != "cuda":
+        return min(2, triton.cdiv(d_in, block_k))
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(d_in, block_k), triton.cdiv(2 * sms, tiles * tiles)))

@@ -1,0 +1,259 @@
+"""Triton compose forward/backward vs float64 references and the eager twins; the full op on the Triton path."""
+
+import pytest
+import torch
+
+from flashdora.ops.compose import compose_bwd_eager, compose_fwd_eager
+from tests.helpers import RTOL, assert_close, dora_inputs, rel_err
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# (leading dims, d_out): 1 token, d_out off every block, 3-D leading dims, enough tokens for several backward splits.
+SHAPES = [
+    pytest.param((1,), 33, id="1x33"),
+    pytest.param((2, 3), 45, id="2x3x45"),
+    pytest.param((5, 7, 3), 70, id="5x7x3x70"),
+    pytest.param((200,), 40, id="200x40"),
+    pytest.param((0,), 16, id="0x16"),
+    pytest.param((8192,), 4096, id="8192x4096", marks=pytest.mark.gpu),
+    pytest.param((2, 2047), 11008, id="2x2047x11008", marks=pytest.mark.gpu),
+    pytest.param((4096,), 28672, id="4096x28672", marks=pytest.mark.gpu),
+]
+DTYPES = [
+    pytest.param(torch.float32, torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-lora_fp32"),
+    pytest.param(torch.float16, torch.float16, id="fp16"),
+]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` that fills floating outputs with NaN, so an element a kernel forgets to write shows up."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _kernels():
+    from flashdora.kernels import compose
+
+    return compose
+
+
+def _scales(d_out, device):
+    g = (0.5 + torch.rand(d_out, device=device)).float()
+    return g, g - 1  # g - 1 is exact here (g in [0.5, 1.5)); ops/compose.scales forms it stably in general
+
+
+def _ref_fwd(result, lora, g, gm1, scaling, bias, lx_base):
+    r, lo, g, gm1 = result.double(), lora.double(), g.double(), gm1.double()
+    if lx_base is None:
+        inner = r + scaling * lo - (0 if bias is None else bias.double())
+        return g * inner + (0 if bias is None else bias.double()), inner
+    lb = lx_base.double()
+    return r + gm1 * lb + g * scaling * lo, lb + scaling * lo
+
+
+@pytest.mark.parametrize("lead, d_out", SHAPES)
+@pytest.mark.parametrize("dtype, lora_dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+def test_compose_fwd(lead, d_out, dtype, lora_dtype, has_bias, has_lx_base, device, poisoned_empty):
+    result = torch.randn(*lead, d_out, device=device, dtype=dtype)
+    lora = torch.randn(*lead, d_out, device=device, dtype=lora_dtype)
+    lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
+    bias = torch.randn(d_out, device=device, dtype=dtype) if has_bias else None
+    g, gm1 = _scales(d_out, device)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
+    ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
+    eager_y, eager_inner = compose_fwd_eager(result, lora, g, gm1, 0.7, bias, lx_base)
+    assert out_y.dtype == dtype and out_inner.dtype == dtype
+    if result.numel() == 0:
+        assert out_y.shape == result.shape and out_inner.shape == result.shape
+        return
+    assert_close(out_y, ref_y, RTOL[dtype], "y")
+    assert_close(out_inner, ref_inner, RTOL[dtype], "inner")
+    assert_close(out_y, eager_y.double(), RTOL[dtype], "y vs eager")
+    assert_close(out_inner, eager_inner.double(), RTOL[dtype], "inner vs eager")
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+def test_compose_fwd_non_contiguous(layout, has_lx_base, device, poisoned_empty):
+    d_out, t = 37, 19
+    if layout == "row_slice":  # stride-1 last dim, padded rows: passed as strides, no copy
+        result = torch.randn(t, d_out + 11, device=device)[:, :d_out]
+        lora = torch.randn(3, t, d_out, device=device)[1]
+    else:  # stride-1 first dim: the wrapper copies
+        result = torch.randn(d_out, t, device=device).T
+        lora = torch.randn(d_out, t, device=device).T
+    lx_base = torch.randn(d_out, t, device=device).T if has_lx_base else None
+    bias = torch.randn(d_out, device=device)
+    g, gm1 = _scales(d_out, device)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, -1.3, bias, lx_base)
+    ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, -1.3, bias, lx_base)
+    assert_close(out_y, ref_y, RTOL[torch.float32], "y")
+    assert_close(out_inner, ref_inner, RTOL[torch.float32], "inner")
+
+
+def test_compose_fwd_no_inner(device, poisoned_empty):
+    result = torch.randn(3, 50, device=device, dtype=torch.bfloat16)
+    lora = torch.randn(3, 50, device=device)
+    g, gm1 = _scales(50, device)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, 0.5, None, None, save_inner=False)
+    ref_y, _ = _ref_fwd(result, lora, g, gm1, 0.5, None, None)
+    assert out_inner is None
+    assert_close(out_y, ref_y, RTOL[torch.bfloat16], "y")
+
+
+@pytest.mark.parametrize("lead, d_out", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+@pytest.mark.parametrize("has_inner", [True, False], ids=["inner", "noinner"])
+def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisoned_empty):
+    dy = torch.randn(*lead, d_out, device=device, dtype=dtype)
+    inner = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_inner else None
+    g, gm1 = _scales(d_out, device)
+    out_gdy, out_dlb, out_dg = _kernels().compose_bwd(dy, inner, g, gm1, has_lx_base)
+    assert out_gdy.shape == dy.shape and out_gdy.dtype == dtype
+    assert (out_dlb is not None) == has_lx_base and (out_dg is not None) == has_inner
+    d64 = dy.double()
+    if dy.numel() > 0:
+        assert_close(out_gdy, g.double() * d64, RTOL[dtype], "g dy")
+        if has_lx_base:
+            assert out_dlb.dtype == dtype
+            assert_close(out_dlb, gm1.double() * d64, RTOL[dtype], "(g - 1) dy")
+    if has_inner:
+        ref_dg = (d64 * inner.double()).reshape(-1, d_out).sum(0)
+        assert out_dg.shape == (d_out,) and out_dg.dtype == torch.float32
+        if dy.numel() == 0:
+            assert torch.equal(out_dg, torch.zeros_like(out_dg))
+        else:
+            assert_close(out_dg, ref_dg, RTOL[torch.float32], "dg")
+            eager_dg = compose_bwd_eager(dy, inner, g, gm1, has_lx_base)[2]
+            assert_close(out_dg, eager_dg.double(), RTOL[torch.float32], "dg vs eager")
+            again = _kernels().compose_bwd(dy, inner, g, gm1, has_lx_base)[2]
+            assert torch.equal(out_dg, again), "dg is not bitwise reproducible"
+
+
+@pytest.mark.parametrize(
+    "lead, d_out, r",
+    [
+        pytest.param((1,), 33, 1, id="1x33-r1"),
+        pytest.param((5, 7, 3), 70, 20, id="5x7x3x70-r20"),
+        pytest.param((8192,), 4096, 16, id="8192x4096-r16", marks=pytest.mark.gpu),
+        pytest.param((2, 2047), 11008, 384, id="2x2047x11008-r384", marks=pytest.mark.gpu),
+    ],
+)
+@pytest.mark.parametrize("dtype, a_dtype", DTYPES)
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, device, poisoned_empty):
+    result = torch.randn(*lead, d_out, device=device, dtype=dtype)
+    a = torch.randn(*lead, r, device=device, dtype=a_dtype)
+    lora_B = torch.randn(d_out, r, device=device) / r**0.5
+    lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
+    bias = torch.randn(d_out, device=device, dtype=dtype)
+    g, gm1 = _scales(d_out, device)
+    out_y, out_inner = _kernels().compose_fwd_fused(result, a, lora_B, g, gm1, 0.7, bias, lx_base)
+    lora = a.double() @ lora_B.to(a_dtype).double().T
+    ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
+    assert_close(out_y, ref_y, RTOL[dtype], "y")
+    assert_close(out_inner, ref_inner, RTOL[dtype], "inner")
+    out_y2, no_inner = _kernels().compose_fwd_fused(result, a, lora_B, g, gm1, 0.7, bias, lx_base, save_inner=False)
+    assert no_inner is None and torch.equal(out_y2, out_y)
+
+
+def _grads(monkeypatch, backend, inputs, lora_x):
+    monkeypatch.setenv("FLASHDORA_BACKEND", backend)
+    from flashdora import dora_linear
+
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items() if torch.is_tensor(v)}
+    leaves.setdefault("bias", None)
+    lx = None if lora_x is None else lora_x.detach().clone().requires_grad_(True)
+    out = dora_linear(**leaves, scaling=inputs["scaling"], lora_x=lx)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype).to(out.device)
+    out.backward(dy)
+    grads = {k: v.grad for k, v in leaves.items() if v is not None}
+    if lx is not None:
+        grads["lora_x"] = lx.grad
+    return out, grads
+
+
+@pytest.mark.parametrize("with_lora_x", [False, True], ids=["x", "lora_x"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(
+    "d_in, d_out, r, lead",
+    [
+        pytest.param(24, 40, 5, (2, 3), id="24-40-r5"),
+        pytest.param(8, 19, 12, (7,), id="8-19-r12"),  # r > d_in
+        pytest.param(4096, 4096, 64, (4, 512), id="4096-4096-r64", marks=pytest.mark.gpu),
+    ],
+)
+def test_dora_linear_triton_equals_eager(d_in, d_out, r, lead, bias, with_lora_x, device, monkeypatch):
+    inputs = dora_inputs(d_in, d_out, r, lead=lead, device=device, bias=bias)
+    lora_x = torch.randn_like(inputs["x"]) if with_lora_x else None
+    ref, ref_grads = _grads(monkeypatch, "eager", inputs, lora_x)
+    out, out_grads = _grads(monkeypatch, "triton", inputs, lora_x)
+    # The GPU's eager norm runs a different GEMM than the kernel; fp32-accurate either way.
+    assert_close(out, ref.double(), RTOL[torch.float32], "output")
+    assert set(out_grads) == set(ref_grads)
+    for name, ref_d in ref_grads.items():
+        assert ref_d is not None and out_grads[name] is not None, name
+        assert_close(out_grads[name], ref_d.double(), RTOL[torch.float32], f"d{name}")
+
+
+def _peft_bf16_output(inputs):
+    """PEFT's own DoRA layer, all in bf16, on the same parameter values."""
+    from peft import LoraConfig, get_peft_model
+
+    w = inputs["weight"]
+    d_out, d_in = w.shape
+    r = inputs["lora_A"].shape[0]
+    lin = torch.nn.Linear(d_in, d_out, bias=inputs["bias"] is not None)
+    model = get_peft_model(
+        torch.nn.Sequential(lin).to(w.device, torch.bfloat16),
+        LoraConfig(r=r, lora_alpha=inputs["scaling"] * r, use_dora=True, target_modules=["0"], lora_dropout=0.0),
+        autocast_adapter_dtype=False,  # keep the adapters and magnitude in bf16, as the brief's PEFT formula has them
+    )
+    layer = model.base_model.model[0]
+    assert layer.scaling["default"] == pytest.approx(inputs["scaling"])
+    assert layer.lora_A["default"].weight.dtype == torch.bfloat16
+    assert layer.lora_magnitude_vector["default"].weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        layer.base_layer.weight.copy_(w)
+        if inputs["bias"] is not None:
+            layer.base_layer.bias.copy_(inputs["bias"])
+        layer.lora_A["default"].weight.copy_(inputs["lora_A"])
+        layer.lora_B["default"].weight.copy_(inputs["lora_B"])
+        layer.lora_magnitude_vector["default"].weight.copy_(inputs["magnitude"])
+    model.eval()
+    with torch.no_grad():
+        return model(inputs["x"])
+
+
+@pytest.mark.parametrize(
+    "d_in, d_out, r, lead",
+    [
+        pytest.param(64, 96, 10, (4, 16), id="64-96-r10"),
+        pytest.param(1024, 2048, 16, (2, 256), id="1024-2048-r16", marks=pytest.mark.gpu),
+    ],
+)
+def test_bf16_error_at_most_peft(d_in, d_out, r, lead, device, monkeypatch):
+    """With g within 1e-3 of 1, our bf16 output is no further from float64 than PEFT's bf16 formula's output."""
+    inputs = dora_inputs(d_in, d_out, r, lead=lead, dtype=torch.bfloat16, device=device, g_near_one=True)
+    inputs["magnitude"] = inputs["magnitude"].to(torch.bfloat16)  # PEFT's magnitude lives in the model dtype
+    peft_out = _peft_bf16_output(inputs)
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    from flashdora import dora_linear
+    from flashdora.reference import dora_linear_ref
+
+    with torch.no_grad():
+        out = dora_linear(**inputs)
+        ref = dora_linear_ref(**{k: v.double() if torch.is_tensor(v) else v for k, v in inputs.items()})
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    out_err, peft_err = rel_err(out, ref), rel_err(peft_out, ref)
+    assert out_err <= peft_err, f"flashdora bf16 error {out_err:.3e} > PEFT's {peft_err:.3e}"
