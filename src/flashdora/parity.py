@@ -280,6 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
+    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
     parser.add_argument("--no-check", action="store_true", help="exit 0 even when a bar fails")
 
 

@@ -79,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=default_device, help="default: %(default)s")
     parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
+    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
 
 def build_layer(weight: torch.Tensor, rank: int, use_dora: bool, dtype_mode: str):

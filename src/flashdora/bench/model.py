@@ -107,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
+    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
 
 def build_config(args) -> tuple[str, transformers.PretrainedConfig]:

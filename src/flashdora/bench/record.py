@@ -120,8 +120,9 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
 
 
 def stem(result: dict) -> str:
-    """``<YYYY-MM-DD>_<device-slug>_<bench>`` from the result's timestamp, device and bench."""
-    return f"{result['timestamp'][:10]}_{device_slug(result['device'])}_{result['bench']}"
+    """``<YYYY-MM-DD>_<device-slug>_<bench>[-<tag>]`` from the result's timestamp, device, bench and ``--tag``."""
+    tag = (result.get("args") or {}).get("tag")
+    return f"{result['timestamp'][:10]}_{device_slug(result['device'])}_{result['bench']}" + (f"-{tag}" if tag else "")
 
 
 def write(
