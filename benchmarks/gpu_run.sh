@@ -18,12 +18,14 @@ case "${1:-a}" in
       --tag bf16 --out "$R"
     ;;
   b)
+    timeout 60 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -k "dora_linear or bf16_error" 2>&1 | tail -3 \
+      | tee "$R/pytest_gpu.txt"
     timeout 150 $fd bench model --preset llama3-8b --out "$R"
     timeout 100 $fd bench model --preset llama3-8b --phases grad --grad-accum 4 --modes peft_lora flashdora \
       --tag accum4 --out "$R"
     timeout 150 $fd bench model --preset llama3-8b --modes peft_lora flashdora --compile --reps 3 --tag compile \
       --out "$R"
-    timeout 170 $fd parity --size base --rank 384 --dropout 0.05 --dtype autocast --steps 100 --seeds 3 \
+    timeout 200 $fd parity --size base --rank 384 --dropout 0.05 --dtype autocast --steps 80 --seeds 3 \
       --batch 8 --seq 512 --lr 1e-4 --out "$R"
     ;;
 esac

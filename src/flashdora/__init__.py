@@ -1,7 +1,7 @@
 """flashdora: DoRA at the cost of LoRA, as a one-line drop-in for PEFT.
 
-    import flashdora
-    flashdora.enable(peft_model)   # or flashdora.patch_peft() before building the model
+import flashdora
+flashdora.enable(peft_model)   # or flashdora.patch_peft() before building the model
 """
 
 from flashdora.backend import reset_stats, stats

@@ -4,8 +4,9 @@ The base model is built once (bf16, gradient checkpointing on) and wrapped in tu
 PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable`` and as
 ``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)``, then unloaded). Each timed ``grad`` step first
 marks the trainable parameters as changed (``increment_version``, as an optimizer step would), so flashdora's norm
-cache recomputes the norm once per step, as in real training; ``inference`` keeps the cache (weights are fixed). Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False``
-(random non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: docs/benchmarks.md.
+cache recomputes the norm once per step, as in real training; ``inference`` keeps the cache (weights are fixed).
+Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False`` (random
+non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations

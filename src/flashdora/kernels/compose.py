@@ -6,6 +6,8 @@ once and writes each output once; the math runs in ``g``'s dtype (float32, or fl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -194,12 +196,12 @@ def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inn
     t, n = y.shape
     if t > 0 and n > 0:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-        _compose_fwd_kernel[grid](
+        args = (
             res2, lora2, lb2, bias_c, g, gm1, y, inner,
             t, n, float(scaling),
             res2.stride(0), lora2.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
-            **flags,
         )  # fmt: skip
+        configs.launch(_compose_fwd_kernel, grid, (n,), args, flags)
     return y.view(result.shape), inner.view(result.shape) if save_inner else None
 
 
@@ -218,14 +220,16 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
     t, n = y.shape
     if t > 0 and n > 0:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-        _compose_fused_fwd_kernel[grid](
+        args = (
             res2, a2, b, lb2, bias_c, g, gm1, y, inner,
             t, n, r, float(scaling),
             res2.stride(0), a2.stride(0), b.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
-            **flags,
+        )  # fmt: skip
+        flags.update(
             DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
             UPCAST_DOT=configs.INTERPRETED and a.dtype == torch.bfloat16,
-        )  # fmt: skip
+        )
+        configs.launch(_compose_fused_fwd_kernel, grid, (n, r), args, flags)
     return y.view(result.shape), inner.view(result.shape) if save_inner else None
 
 
@@ -248,25 +252,30 @@ def compose_bwd(dy, inner, g, gm1, has_lx_base):
     dg_part = torch.empty((n_split, n), dtype=g.dtype, device=dy.device) if inner is not None else g
     if t > 0 and n > 0:
         grid = lambda meta: (n_split, triton.cdiv(n, meta["BLOCK_N"]))
-        _compose_bwd_kernel[grid](
+        args = (
             dy2, inner2, g, gm1, gdy, d_lx_base, dg_part,
             t, n, rows_per_prog,
             dy2.stride(0), inner2.stride(0), gdy.stride(0), d_lx_base.stride(0),
-            HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED,
         )  # fmt: skip
+        flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)
+        configs.launch(_compose_bwd_kernel, grid, (n,), args, flags)
     dg = None
     if inner is not None:
         dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
     return gdy.view(dy.shape), d_lx_base.view(dy.shape) if has_lx_base else None, dg
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
     """Tokens per backward program: a multiple of every BLOCK_M, sized for a few waves; independent of config."""
     q = configs.COMPOSE_BWD_ROW_QUANTUM
+    sms = 2
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 2
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
     col_blocks = triton.cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
     n_split = max(1, triton.cdiv(target, col_blocks))

@@ -106,3 +106,23 @@ def gram_splits(tiles: int, d_in: int, block_k: int, device) -> int:
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(d_in, block_k), triton.cdiv(2 * sms, tiles * tiles)))
+
+
+_BEST: dict[tuple, dict] = {}
+
+
+def launch(kernel, grid, key: tuple, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` for an autotuned kernel, skipping the autotuner's per-call Python once tuned.
+
+    ``key`` holds the values of the kernel's autotune key; the argument dtypes are added here, as Triton does. On
+    the GPU the autotuner's own bookkeeping cost ~100 us a call on the device machines' CPU, which a DoRA layer of
+    ordinary size cannot hide (docs/decisions.md).
+    """
+    full_key = (id(kernel), key, tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
+    config = _BEST.get(full_key)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        if not INTERPRETED:
+            _BEST[full_key] = kernel.best_config.all_kwargs()
+        return
+    kernel.fn[grid](*args, **kwargs, **config)

@@ -193,14 +193,17 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True):
     block_r = configs.norm_block_r(r)
     part = torch.empty((triton.cdiv(r, block_r), d_out), dtype=torch.float32, device=weight.device)
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]) * triton.cdiv(r, block_r),)
-    _norm_fwd_kernel[grid](
+    args = (
         weight, a, b, g, part,
         d_out, d_in, r, 2.0 * scaling, scaling * scaling,
         weight.stride(0), weight.stride(1), a.stride(0), b.stride(0), b.stride(1),
+    )  # fmt: skip
+    flags = dict(
         DOT_PRECISION="tf32" if half else "tf32x3", GRAM_PRECISION="tf32" if half else "tf32x3",
         UPCAST_DOT=configs.INTERPRETED and weight.dtype == torch.bfloat16, FUSE_W_SQ=fuse_w_sq,
         BLOCK_R=block_r, BLOCK_G=configs.NORM_GRAM_BLOCK_K,
     )  # fmt: skip
+    configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r), args, flags)
     torch.sum(part, dim=0, out=out)
     if not fuse_w_sq:
         out += torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square_()

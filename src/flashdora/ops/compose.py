@@ -240,6 +240,8 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     """
     cd = _compute_dtype(result.device.type, lora_A)
     if not torch.compiler.is_compiling():
+        if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
+            return _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, cd, False)[0]
         return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd)
     save_inner = magnitude.requires_grad and torch.is_grad_enabled()
     args = (result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd, save_inner)
