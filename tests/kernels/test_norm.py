@@ -100,3 +100,22 @@ def test_factored_norm_triton_equals_eager(device, monkeypatch):
     out = flashdora.factored_norm(weight, lora_A, lora_B, 1.5)
     assert flashdora.stats().get("norm:triton") == 1
     assert_close(out, ref.double(), NORM_RTOL[torch.float32], "norm vs eager")
+
+
+@pytest.mark.parametrize("d_out, d_in, r", SHAPES)
+def test_norm_and_scales(d_out, d_in, r, device, poisoned_empty):
+    from flashdora.kernels.norm import norm_and_scales, scales_from_norm
+    from flashdora.ops.norm import scales
+
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, torch.bfloat16, torch.float32, device)
+    weight[0] = 0
+    lora_B[0] = 0  # a zero-norm row: g = 0, g - 1 = -1, 1 / norm = 0
+    ref = row_norm_ref(weight.double(), lora_A.double(), lora_B.double(), 0.5)
+    magnitude = (ref * (0.5 + torch.rand_like(ref))).float()
+    norm, out = norm_and_scales(weight, lora_A, lora_B, 0.5, magnitude)
+    assert out.shape == (3, d_out) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert_close(norm, ref, NORM_RTOL[torch.bfloat16], "norm")
+    assert_close(out, scales(magnitude.double(), ref), NORM_RTOL[torch.bfloat16], "scales")
+    assert out[:, 0].tolist() == [0.0, -1.0, 0.0]
+    exact = scales(magnitude, ref.float())
+    assert_close(scales_from_norm(magnitude, ref.float()), exact.double(), 1e-6, "scales from norm")

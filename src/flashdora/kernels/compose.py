@@ -6,8 +6,6 @@ once and writes each output once; the math runs in ``g``'s dtype (float32, or fl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -265,17 +263,10 @@ def compose_bwd(dy, inner, g, gm1, has_lx_base):
     return gdy.view(dy.shape), d_lx_base.view(dy.shape) if has_lx_base else None, dg
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
     """Tokens per backward program: a multiple of every BLOCK_M, sized for a few waves; independent of config."""
     q = configs.COMPOSE_BWD_ROW_QUANTUM
-    sms = 2
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = configs.sm_count(device)
     target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
     col_blocks = triton.cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
     n_split = max(1, triton.cdiv(target, col_blocks))

@@ -6,6 +6,7 @@ every config in Python, and one config skips the autotuner's timing altogether.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -64,6 +65,9 @@ NORM_FWD = _pick(
         triton.Config({"BLOCK_M": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        # d_out ~ 1-4k (attention projections of 7-8B models): 128-row blocks leave most of the SMs idle.
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
@@ -102,10 +106,27 @@ def gram_splits(tiles: int, d_in: int, block_k: int, device) -> int:
     """Split-K factor for ``A A^T``: about two programs per SM, at least one K block per split."""
     if device.type != "cuda":
         return min(2, triton.cdiv(d_in, block_k))
+    return max(1, min(triton.cdiv(d_in, block_k), triton.cdiv(2 * sm_count(device), tiles * tiles)))
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of a CUDA ``device`` (2 elsewhere, for the interpreter's small grids); cached."""
+    if device.type != "cuda":
+        return 2
+    return _sm_count(device.index if device.index is not None else _current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
     import torch
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(d_in, block_k), triton.cdiv(2 * sms, tiles * tiles)))
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
 
 
 _BEST: dict[tuple, dict] = {}

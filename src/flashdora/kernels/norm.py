@@ -168,13 +168,14 @@ def gram(lora_A: torch.Tensor) -> torch.Tensor:
     return part.sum(0)
 
 
-def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True):
+def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True, partials=False):
     """Triton ``norm_sq_eager``: ``[d_out]`` float32 squared row norms of ``W + s B A``, not clamped.
 
     16-bit ``weight``: the cross term runs on 16-bit operands (``lora_A`` cast to ``weight``'s dtype once) and the
     in-epilogue ``B_rows G`` product on TF32. float32 ``weight``: float32-accurate 3-pass TF32 (``tf32x3``) for both.
     ``G = A A^T`` is always float32-accurate (``gram``).
     ``fuse_w_sq=False`` (benchmarks only) takes ``||W||^2`` from a separate torch reduction instead.
+    ``partials=True`` returns the ``[n_slices, d_out]`` partial sums (their column sums are the result).
     """
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
@@ -185,10 +186,7 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True):
     a = lora_A.detach().to(weight.dtype).contiguous()  # [r, d_in]
     b = lora_B if lora_B.dtype in (*_HALF, torch.float32) else lora_B.float()
     out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
-    if d_out == 0:
-        return out
-    if d_in == 0 or r == 0:
-        return out.zero_()
+    assert d_out > 0 and d_in > 0 and r > 0
     g = gram(lora_A)  # [r, r], symmetric
     block_r = configs.norm_block_r(r)
     part = torch.empty((triton.cdiv(r, block_r), d_out), dtype=torch.float32, device=weight.device)
@@ -204,7 +202,56 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True):
         BLOCK_R=block_r, BLOCK_G=configs.NORM_GRAM_BLOCK_K,
     )  # fmt: skip
     configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r), args, flags)
+    if partials and fuse_w_sq:
+        return part
     torch.sum(part, dim=0, out=out)
     if not fuse_w_sq:
         out += torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square_()
     return out
+
+
+@triton.jit
+def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr):
+    """norm = sqrt(max(sum of the partial squared norms, 0)) (or the norm itself), then g, g - 1, 1 / norm."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
+    mask = offs < d_out
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, n_part):
+        acc += tl.load(p_part + i * d_out + offs, mask=mask, other=0.0)
+    if FROM_SQ:
+        norm = tl.sqrt_rn(tl.maximum(acc, 0.0))
+    else:
+        norm = acc
+    m = tl.load(p_m + offs, mask=mask, other=0.0).to(tl.float32)
+    positive = norm > 0.0
+    inv = tl.where(positive, tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
+    gm1 = tl.where(positive, (m - norm) * inv, -1.0)
+    tl.store(p_norm + offs, norm, mask=mask)
+    tl.store(p_scales + offs, m * inv, mask=mask)
+    tl.store(p_scales + d_out + offs, gm1, mask=mask)
+    tl.store(p_scales + 2 * d_out + offs, inv, mask=mask)
+
+
+def _finish(part: torch.Tensor, magnitude: torch.Tensor, from_sq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n_part, d_out = part.shape
+    norm = torch.empty(d_out, dtype=torch.float32, device=part.device)
+    scales = torch.empty((3, d_out), dtype=torch.float32, device=part.device)
+    block = 1024 if not configs.INTERPRETED else 64
+    m = magnitude.detach().contiguous()
+    _scales_kernel[(triton.cdiv(d_out, block),)](part, m, norm, scales, n_part, d_out, FROM_SQ=from_sq, BLOCK=block)
+    return norm, scales
+
+
+def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, scales)`` in one go: the factored norm's partial sums finished together with ``ops.norm.scales``.
+
+    Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: what the device machines'
+    CPU, not the GPU, pays for at ordinary layer sizes (docs/decisions.md).
+    """
+    return _finish(factored_norm_sq(weight, lora_A, lora_B, scaling, partials=True), magnitude, from_sq=True)
+
+
+def scales_from_norm(magnitude, norm) -> torch.Tensor:
+    """``ops.norm.scales(magnitude, norm)`` (float32) in one launch."""
+    return _finish(norm.detach().float().reshape(1, -1).contiguous(), magnitude, from_sq=False)[1]

@@ -59,27 +59,30 @@ def _empty(like: Tensor) -> Tensor:
 
 
 def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
-    """Forward body: ``(y, a, inner | None, lx_c)`` with ``a = lx A^T`` and ``lx_c`` the LoRA input in matmul dtype."""
+    """Forward body: ``(y, a, inner | None, lx_c, A_c, B_c)``: ``a = lx A^T``; ``lx_c``, ``A_c``, ``B_c`` are the
+    LoRA input and adapters in the matmul dtype (backward reuses them instead of casting again)."""
     triton = backend.use_triton(result)
     backend.count("triton" if triton else "eager")
     with torch.autocast(result.device.type, enabled=False):
-        lx_c = lx.to(compute_dtype)
-        a = F.linear(lx_c, lora_A.to(compute_dtype))  # [..., r]
+        lx_c, a_c, b_c = lx.to(compute_dtype), lora_A.to(compute_dtype), lora_B.to(compute_dtype)
+        a = F.linear(lx_c, a_c)  # [..., r]
         g, gm1 = scales[0], scales[1]
         if triton:  # the LoRA B matmul runs inside the compose kernel: its output is never written
             from flashdora.kernels.compose import compose_fwd_fused
 
-            y, inner = compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+            y, inner = compose_fwd_fused(result, a, b_c, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
         else:
-            lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
+            lora = F.linear(a, b_c)  # [..., d_out]
             y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
-    return y, a, inner, lx_c
+    return y, a, inner, lx_c, a_c, b_c
 
 
 def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
     """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
 
     ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
+    ``d_A`` and ``d_B`` come in the matmul dtype (the callers cast them to the parameters' dtypes). ``s`` rides on
+    the GEMMs' alpha, never on a separate pass.
     """
     cd = a.dtype
     g, gm1, inv = scales
@@ -98,11 +101,12 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
             out[3] = -(gm1 * dy.reshape(-1, dy.shape[-1]).to(g.dtype).sum(0))
         if needs[1] or needs[4] or needs[5]:
             gdy_c = gdy.to(cd).reshape(-1, gdy.shape[-1])  # [T, d_out]
-            da = (gdy_c @ lora_B.to(cd)).mul_(scaling)  # [T, r]
+            unused = gdy_c.new_empty(())  # addmm's input, ignored with beta = 0
+            da = torch.addmm(unused, gdy_c, lora_B.to(cd), beta=0, alpha=scaling)  # [T, r]
             if needs[5]:
-                out[5] = (gdy_c.T @ a.reshape(-1, a.shape[-1])).mul_(scaling).to(lora_B.dtype)
+                out[5] = torch.addmm(unused, gdy_c.T, a.reshape(-1, a.shape[-1]), beta=0, alpha=scaling)
             if needs[4]:
-                out[4] = (da.T @ lx_c.reshape(-1, lx_c.shape[-1])).to(lora_A.dtype)
+                out[4] = da.T @ lx_c.reshape(-1, lx_c.shape[-1])
             if needs[1]:
                 out[1] = (da @ lora_A.to(cd)).reshape(lx_c.shape)
         if needs[6] and dg is not None:
@@ -110,19 +114,11 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
     return out
 
 
-def _finish_grads(grads, dy, needs, has_lx_base, lx_dtype, magnitude_dtype):
-    d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m = grads
+def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
+    """Gradients as autograd wants them: ``dy`` for ``result`` with ``lx_base``, each in its input's dtype."""
     if has_lx_base and needs[0]:
-        d_result = dy
-    return (
-        d_result,
-        None if d_lx is None else d_lx.to(lx_dtype),
-        d_lx_base,
-        d_bias,
-        d_A,
-        d_B,
-        None if d_m is None else d_m.to(magnitude_dtype),
-    )
+        grads[0] = dy
+    return tuple(g if g is None or dtypes[i] is None else g.to(dtypes[i]) for i, g in enumerate(grads))
 
 
 class ComposeFunction(torch.autograd.Function):
@@ -131,18 +127,21 @@ class ComposeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype):
         save_inner = ctx.needs_input_grad[6]
-        y, a, inner, lx_c = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
-        ctx.save_for_backward(lx_c, a, inner, lora_A, lora_B, scales)
-        ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, magnitude.dtype)
+        y, a, inner, lx_c, a_c, b_c = _fwd(
+            result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
+        )
+        ctx.save_for_backward(lx_c, a, inner, a_c, b_c, scales)
+        dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
+        ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
-        scaling, has_lx_base, has_bias, lx_dtype, m_dtype = ctx.meta
+        lx_c, a, inner, a_c, b_c, scales = ctx.saved_tensors
+        scaling, has_lx_base, has_bias, dtypes = ctx.meta
         needs = list(ctx.needs_input_grad[:7])
-        grads = _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs)
-        return (*_finish_grads(grads, dy, needs, has_lx_base, lx_dtype, m_dtype), None, None, None)
+        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs)
+        return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
 
 
 @torch.library.custom_op("flashdora::compose_fwd", mutates_args=())
@@ -163,7 +162,9 @@ def compose_fwd_op(
 
     ``magnitude`` is an input only so that autograd routes its gradient here; its value enters through ``scales``.
     """
-    y, a, inner, lx_c = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
+    y, a, inner, lx_c, _, _ = _fwd(
+        result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
+    )
     inner = _empty(result) if inner is None else inner.contiguous()
     return y.contiguous(), a, inner, _empty(lx) if lx_c is lx else lx_c
 
@@ -193,6 +194,9 @@ def compose_bwd_op(
     """``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]`` (see ``_bwd``), empty tensors where not needed."""
     grads = _bwd(dy, lx_c, a, inner if inner.numel() else None, lora_A, lora_B, scales, scaling, has_lx_base,
                  has_bias, needs)  # fmt: skip
+    for i, param in ((4, lora_A), (5, lora_B)):
+        if grads[i] is not None:
+            grads[i] = grads[i].to(param.dtype)
     return [_empty(dy) if g is None else g for g in grads]
 
 
@@ -215,16 +219,17 @@ def _setup_context(ctx, inputs, output):
     result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, _, _ = inputs
     _, a, inner, lx_c = output
     ctx.save_for_backward(lx_c if lx_c.numel() else lx, a, inner, lora_A, lora_B, scales)
-    ctx.meta = (scaling, lx_base is not None, bias is not None, lx.dtype, magnitude.dtype)
+    dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
+    ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
 
 
 def _backward(ctx, dy, _da, _dinner, _dlx_c):
     lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
-    scaling, has_lx_base, has_bias, lx_dtype, m_dtype = ctx.meta
+    scaling, has_lx_base, has_bias, dtypes = ctx.meta
     needs = list(ctx.needs_input_grad[:7])
     grads = compose_bwd_op(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs)
     grads = [g if need and g.numel() else None for g, need in zip(grads, needs)]
-    return (*_finish_grads(grads, dy, needs, has_lx_base, lx_dtype, m_dtype), None, None, None, None)
+    return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None, None)
 
 
 compose_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -124,6 +124,26 @@ def scales(magnitude: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     return torch.stack([m * inv, gm1, inv])
 
 
+def _scales(magnitude, norm, triton: bool) -> torch.Tensor:
+    if triton:
+        from flashdora.kernels.norm import scales_from_norm
+
+        return scales_from_norm(magnitude, norm)
+    return scales(magnitude, norm)
+
+
+@torch.no_grad()
+def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch."""
+    if triton:
+        from flashdora.kernels.norm import norm_and_scales
+
+        backend.count("norm:triton")
+        return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude)
+    norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
+    return norm, scales(magnitude, norm)
+
+
 def cache_enabled() -> bool:
     """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
     return os.environ.get("FLASHDORA_NORM_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -154,8 +174,9 @@ class NormCache:
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
+        triton = backend.use_triton(weight, lora_A, lora_B) and magnitude.dtype != torch.float64
         if owner is None:
-            return scales(magnitude, compute_norm(weight, lora_A, lora_B, scaling))
+            return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
         cache = owner.__dict__.setdefault("_flashdora_cache", {})
         key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling)
         full_key = (key, _tensor_key(magnitude))
@@ -164,14 +185,16 @@ class NormCache:
             return cache["scales"]
         if cache.get("norm_key") == key:
             backend.count("norm:cached")
+            cache["scales"] = _scales(magnitude, cache["norm"], triton)
         else:
             w_sq = None
-            if not backend.use_triton(weight, lora_A, lora_B):  # the fused kernel gets ||W||^2 from its read of W
+            if not triton:  # the fused kernel gets ||W||^2 from its read of W
                 if cache.get("w_sq_key") != key[0]:
                     cache["w_sq_key"], cache["w_sq"] = key[0], weight_sq_eager(weight)
                 w_sq = cache["w_sq"]
-            cache["norm_key"], cache["norm"] = key, compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
-        cache["scales_key"], cache["scales"] = full_key, scales(magnitude, cache["norm"])
+            cache["norm"], cache["scales"] = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)
+            cache["norm_key"] = key
+        cache["scales_key"] = full_key
         return cache["scales"]
 
     @staticmethod
