@@ -28,3 +28,15 @@ def _seed_and_clean_state(monkeypatch):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` that fills floating outputs with NaN, so an element a kernel forgets to write shows up."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)

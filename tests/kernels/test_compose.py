@@ -26,18 +26,6 @@ DTYPES = [
 ]
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """``torch.empty`` that fills floating outputs with NaN, so an element a kernel forgets to write shows up."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
-
 def _kernels():
     from flashdora.kernels import compose
 
