@@ -1,10 +1,6 @@
 """Shared test helpers: the tolerance table, float64 comparisons and input factories."""
 
-import os
-
 import torch
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Relative error bars (||out - ref|| / ||ref|| against float64), the same on the GPU and under the interpreter: the
 # Triton 3.9 interpreter truncates fp32->bf16 stores, so the kernels round to nearest by hand there (EMULATE_RNE).
