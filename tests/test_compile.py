@@ -30,9 +30,12 @@ def _layer_grads(fn, i, lora_x):
 
 
 @pytest.mark.parametrize("with_lora_x", [False, True], ids=["plain", "lora_x"])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_dora_linear_compiles_fullgraph(with_lora_x, backend):
-    i = dora_inputs(24, 16, 4, lead=(2, 3))
+@pytest.mark.parametrize(
+    "backend, device",
+    [("aot_eager", "cpu"), ("inductor", "cpu"), pytest.param("inductor", "cuda", marks=pytest.mark.gpu)],
+)
+def test_dora_linear_compiles_fullgraph(with_lora_x, backend, device):
+    i = dora_inputs(24, 16, 4, lead=(2, 3), device=device)
     lora_x = torch.nn.functional.dropout(i["x"], 0.2) if with_lora_x else None
 
     def f(x, w, b, a, bb, m, lx):
