@@ -1,6 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
+
+# A fresh inductor cache per test session: a cached graph from an older flashdora can call a custom op with an old
+# schema (seen here: compose_bwd after it gained an argument), and torch's FX graph cache key does not see that.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashdora-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 # The Triton interpreter must be chosen before triton is imported anywhere.
 if not torch.cuda.is_available():

@@ -73,3 +73,15 @@ def test_warn_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         backend.warn_once("test-key-unique", "only once")
+
+
+def test_float64_stays_eager(monkeypatch):
+    # The kernels compute in float32; float64 (references, gradcheck) must keep float64 accuracy.
+    x = torch.zeros(2, dtype=torch.float64)
+    monkeypatch.setenv("FLASHDORA_BACKEND", "auto")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    assert backend.use_triton(torch.zeros(2)) and not backend.use_triton(x)
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="float64 runs eager"):
+        backend.use_triton(x)

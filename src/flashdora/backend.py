@@ -32,12 +32,17 @@ def triton_available() -> bool:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether an op on ``tensors`` takes the Triton path.
 
-    ``auto``: Triton for CUDA tensors when Triton imports, eager otherwise. ``triton``: Triton whenever it can run
-    (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error,
-    never a silent switch. ``eager``: never.
+    ``auto``: Triton for CUDA tensors when Triton imports, eager otherwise (and for float64 tensors, which the
+    float32 kernels would not keep exact). ``triton``: Triton whenever it can run (CUDA tensors, or CPU tensors
+    under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error, never a silent switch.
+    ``eager``: never.
     """
     backend = requested_backend()
     if backend == "eager":
+        return False
+    if any(t.dtype == torch.float64 for t in tensors):  # the kernels compute in float32: references stay exact
+        if backend == "triton":
+            raise RuntimeError("FLASHDORA_BACKEND=triton: the Triton kernels compute in float32; float64 runs eager")
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)

@@ -115,7 +115,8 @@ def test_autocast_bf16_with_fp32_adapters(monkeypatch):
 
 
 def _peft_formula_bf16(i, lora_x):
-    """PEFT's DoRA arithmetic in bf16: base and lora in bf16, the norm rounded to bf16, then (g - 1) * base."""
+    """PEFT's DoRA arithmetic for a bf16 layer with an fp32 magnitude: base and lora matmuls in bf16, the norm
+    rounded to bf16 (PEFT computes it in the input dtype), then g = m / norm and (g - 1) * base as PEFT forms them."""
     x, w, a, b = (i[k].bfloat16() for k in ("x", "weight", "lora_A", "lora_B"))
     lx = lora_x.bfloat16()
     norm = torch.linalg.vector_norm((w.float() + i["scaling"] * (b @ a).float()), dim=1).bfloat16()

@@ -166,7 +166,7 @@ def compose_fwd_op(
         result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
     )
     inner = _empty(result) if inner is None else inner.contiguous()
-    return y.contiguous(), a, inner, _empty(lx) if lx_c is lx else lx_c
+    return y.contiguous(), a, inner, _empty(lx) if lx.dtype == compute_dtype else lx_c
 
 
 @compose_fwd_op.register_fake
@@ -189,10 +189,14 @@ def compose_bwd_op(
     scaling: float,
     has_lx_base: bool,
     has_bias: bool,
+    has_inner: bool,
     needs: list[bool],
 ) -> list[Tensor]:
-    """``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]`` (see ``_bwd``), empty tensors where not needed."""
-    grads = _bwd(dy, lx_c, a, inner if inner.numel() else None, lora_A, lora_B, scales, scaling, has_lx_base,
+    """``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]`` (see ``_bwd``), empty tensors where not needed.
+
+    Absence is passed as flags, never read from sizes: with zero tokens every tensor is empty but still present.
+    """
+    grads = _bwd(dy, lx_c, a, inner if has_inner else None, lora_A, lora_B, scales, scaling, has_lx_base,
                  has_bias, needs)  # fmt: skip
     for i, param in ((4, lora_A), (5, lora_B)):
         if grads[i] is not None:
@@ -201,7 +205,7 @@ def compose_bwd_op(
 
 
 @compose_bwd_op.register_fake
-def _(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+def _(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, has_inner, needs):
     d_out = dy.shape[-1]
     shapes = [
         (dy, not has_lx_base),
@@ -210,15 +214,16 @@ def _(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias
         (scales.new_empty(d_out), has_bias and not has_lx_base),
         (lora_A, True),
         (lora_B, True),
-        (scales.new_empty(d_out), inner.numel() > 0),
+        (scales.new_empty(d_out), has_inner),
     ]
     return [t.new_empty(t.shape) if need and ok else _empty(dy) for (t, ok), need in zip(shapes, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, _, _ = inputs
+    result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, save_inner = inputs
     _, a, inner, lx_c = output
-    ctx.save_for_backward(lx_c if lx_c.numel() else lx, a, inner, lora_A, lora_B, scales)
+    ctx.save_for_backward(lx if lx.dtype == compute_dtype else lx_c, a, inner, lora_A, lora_B, scales)
+    ctx.has_inner = save_inner
     dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
     ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
 
@@ -227,8 +232,10 @@ def _backward(ctx, dy, _da, _dinner, _dlx_c):
     lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
     scaling, has_lx_base, has_bias, dtypes = ctx.meta
     needs = list(ctx.needs_input_grad[:7])
-    grads = compose_bwd_op(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs)
-    grads = [g if need and g.numel() else None for g, need in zip(grads, needs)]
+    args = (dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, ctx.has_inner, needs)
+    grads = compose_bwd_op(*args)
+    present = [not has_lx_base, True, has_lx_base, has_bias and not has_lx_base, True, True, ctx.has_inner]
+    grads = [g if need and ok else None for g, need, ok in zip(grads, needs, present)]
     return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None, None)
 
 

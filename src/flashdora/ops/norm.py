@@ -150,23 +150,46 @@ def cache_enabled() -> bool:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    # The version counter moves on every in-place write through autograd-visible aliases (optimizer steps,
-    # load_state_dict, copy_ under no_grad); data_ptr moves when storage is swapped (`.data =`, `.to()`).
+    # The version counter moves on every in-place write through autograd-visible aliases (load_state_dict, copy_
+    # under no_grad, for-loop and foreach optimizers); data_ptr moves when storage is swapped (`.data =`, `.to()`).
     return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
+
+
+_optimizer_steps = 0
+_hook_handle = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizers() -> None:
+    """Count every ``torch.optim`` step in the process: fused optimizers (HF Trainer's default ``adamw_torch_fused``)
+    write parameters without moving their version counters, so the cache key carries this count too."""
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 class NormCache:
     """Per-layer storage, O(d_out): the norm, ``||W||^2`` and the scales, each with the key it was made for.
 
     Entries live on an owner object (PEFT's per-adapter ``DoraLinearLayer``) and die with it; the ops find them
-    by ``id(owner)``. Writes through ``.data`` (``p.data.copy_(...)``) bypass version counters and are not seen:
-    call ``flashdora.enable(model)`` again after such edits (it clears the cache), or set ``FLASHDORA_NORM_CACHE=0``.
+    by ``id(owner)``. Keys: storage, version counter, shape, strides, dtype and device of W, A, B and the
+    magnitude, ``scaling``, and the number of ``torch.optim`` steps taken in the process (any optimizer's step
+    invalidates every entry). Writes outside autograd and ``torch.optim`` (``p.data.copy_(...)`` by hand) are not
+    seen: call ``flashdora.enable(model)`` again after such edits (it clears the cache), or set
+    ``FLASHDORA_NORM_CACHE=0``.
     """
 
     _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @classmethod
     def register(cls, owner) -> int:
+        _watch_optimizers()
         cls._owners[id(owner)] = owner
         return id(owner)
 
@@ -174,11 +197,11 @@ class NormCache:
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
-        triton = backend.use_triton(weight, lora_A, lora_B) and magnitude.dtype != torch.float64
+        triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if owner is None:
             return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
         cache = owner.__dict__.setdefault("_flashdora_cache", {})
-        key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling)
+        key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling, _optimizer_steps)
         full_key = (key, _tensor_key(magnitude))
         if cache.get("scales_key") == full_key:
             backend.count("norm:cached")
