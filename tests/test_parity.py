@@ -121,3 +121,13 @@ def test_run_exits_nonzero_on_a_broken_model(tmp_path, monkeypatch):
     (path,) = tmp_path.glob("*_parity.json")
     assert json.loads(path.read_text())["passed"] is False
     assert parity.run(_args(tmp_path, "--no-check")) == 0
+
+
+def test_first_seed_splits_a_long_comparison(tmp_path):
+    argv = ["parity", *_argv(tmp_path), "--first-seed", "2", "--tag", "s2"]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("*_cpu_parity-s2.json")
+    record = json.loads(path.read_text())
+    assert [c["seed"] for c in record["curves"]] == [2] and record["settings"]["first_seed"] == 2
+    with pytest.raises(SystemExit, match="--first-seed expected >= 0"):
+        main(["parity", *_argv(tmp_path), "--first-seed", "-1"])

@@ -266,6 +266,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=50, help="training steps per seed (default 50)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds, each a fresh model and data order (default 1)")
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds run are first-seed .. first-seed + seeds - 1 (default 0), so "
+        "a long comparison can be split over several runs",
+    )
     parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64 CPU, 512 CUDA)")
@@ -291,10 +298,13 @@ def _settings(args: argparse.Namespace) -> dict:
     for name in ("steps", "seeds", "rank", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"flashdora parity: --{name} expected >= 1, got {getattr(args, name)}")
+    if args.first_seed < 0:
+        raise SystemExit(f"flashdora parity: --first-seed expected >= 0, got {args.first_seed}")
     return {
         "size": args.size or ("base" if cuda else "tiny"),
         "steps": args.steps,
         "seeds": args.seeds,
+        "first_seed": args.first_seed,
         "rank": args.rank,
         "dropout": args.dropout,
         "seq": args.seq or (512 if cuda else 64),
@@ -315,7 +325,7 @@ def _train_all(s: dict, corpus: torch.Tensor, console) -> list[dict[str, list[fl
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("training", total=s["steps"] * s["seeds"])
-        for seed in range(s["seeds"]):
+        for seed in range(s["first_seed"], s["first_seed"] + s["seeds"]):
             model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
             batches = [b.to(s["device"]) for b in sample_batches(corpus, s["steps"], s["batch"], s["seq"], seed)]
 
