@@ -12,9 +12,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi
 fi
-pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# pip, without the local-index notices some machines print for every package ("Location ... is ignored")
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
 if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
-  "${pip[@]}" install "torch==2.13.0"
+  pip install "torch==2.13.0"
 fi
 TORCH=$("$VENV/bin/python" -W ignore -c "import torch; print(torch.__version__.split('+')[0])")
 CONSTRAINTS=$(mktemp)
@@ -25,6 +26,6 @@ if ! "$VENV/bin/python" -W ignore -c "import triton" 2>/dev/null; then
   "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(torch.cuda.is_available())" && echo "triton==3.9.0" >>"$CONSTRAINTS"
   extras="test,triton"
 fi
-"${pip[@]}" install -c "$CONSTRAINTS" -c scripts/constraints.txt -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+pip install -c "$CONSTRAINTS" -c scripts/constraints.txt -e ".[$extras]"
 "$VENV/bin/python" -W ignore -c "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
 rm -f "$CONSTRAINTS"
