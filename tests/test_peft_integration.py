@@ -276,3 +276,72 @@ def test_disable_pins_peft_class():
     assert all(
         type(v) is PeftDoraLinearVariant for m in model.modules() for v in getattr(m, "lora_variant", {}).values()
     )
+
+
+def _bf16_model_fp32_adapters(dropout):
+    peft_model = _llama(dropout=dropout)
+    peft_model.base_model.model.to(torch.bfloat16)
+    for p in peft_model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return flashdora.enable(peft_model)
+
+
+def _seen_lora_inputs(model, run):
+    """The dtypes of ``x`` that flashdora's variant receives while ``run()`` runs."""
+    from flashdora import peft_integration
+
+    seen, original = [], peft_integration.compose
+
+    def spy(result, lx, *args, **kwargs):
+        seen.append(lx.dtype)
+        return original(result, lx, *args, **kwargs)
+
+    peft_integration.compose = spy
+    try:
+        run()
+    finally:
+        peft_integration.compose = original
+    return seen
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_input_cast_skip_is_bitwise_neutral(monkeypatch, dropout):
+    """Under autocast, PEFT's cast of x to the fp32 adapters' dtype is skipped on flashdora layers without active
+    dropout; outputs and every gradient stay bitwise equal to running with PEFT's cast."""
+    from flashdora import peft_integration
+
+    model = _bf16_model_fp32_adapters(dropout)
+    ids = _ids(256)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _eval(model, ids), _step(model, ids)
+
+    seen = []
+    fast = _seen_lora_inputs(model, lambda: seen.append(run()))
+    with monkeypatch.context() as m:
+        m.setattr(peft_integration.LoraLayer, "_cast_input_dtype", peft_integration._PEFT_CAST)
+        slow = _seen_lora_inputs(model, lambda: seen.append(run()))
+    assert set(slow) == {torch.float32}
+    n_eval = len(fast) // 2
+    assert set(fast[:n_eval]) == {torch.bfloat16}  # eval: dropout inactive, so the cast is skipped
+    assert set(fast[n_eval:]) == ({torch.bfloat16} if dropout == 0 else {torch.float32})
+    (out, (loss, _, grads)), (ref, (ref_loss, _, ref_grads)) = seen
+    assert torch.equal(out, ref) and torch.equal(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+def test_input_cast_kept_for_vanilla_lora_adapters():
+    """A layer that also runs a plain LoRA adapter keeps PEFT's cast (its matmuls would otherwise see bf16 x)."""
+    model = _bf16_model_fp32_adapters(0.0)
+    model.add_adapter("plain", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    model.base_model.set_adapter(["default", "plain"])
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    ids = _ids(256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = _seen_lora_inputs(model, lambda: _eval(model, ids))
+    assert torch.float32 in seen and torch.bfloat16 in seen  # q_proj keeps the cast; the other layers skip it

@@ -38,16 +38,20 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     """Why flashdora cannot run this DoRA Linear layer (``None`` when it can)."""
     base = module.get_base_layer()
+    lora_B = module.lora_B[adapter]
+    return _reason(base, module.lora_A[adapter].weight, lora_B, module.lora_magnitude_vector[adapter].weight)
+
+
+def _reason(base, lora_A, lora_B_layer, magnitude) -> str | None:
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     weight = base.weight
     if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS:
         return f"quantized:{type(base).__name__}"
-    lora_A, lora_B = module.lora_A[adapter], module.lora_B[adapter]
-    if lora_B.bias is not None:
+    if lora_B_layer.bias is not None:
         return "lora_bias"
-    tensors = (weight, lora_A.weight, lora_B.weight, module.lora_magnitude_vector[adapter].weight)
-    if len({t.device for t in tensors}) > 1:
+    device = weight.device
+    if lora_A.device != device or lora_B_layer.weight.device != device or magnitude.device != device:
         return "devices:adapter and base weight on different devices"
     return None
 
@@ -62,24 +66,66 @@ def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kw
 
 def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``."""
-    reason = unsupported_reason(module, active_adapter)
+    base = module.get_base_layer()
+    lora_B_layer = module.lora_B[active_adapter]
+    lora_A = module.lora_A[active_adapter].weight
+    owner = module.lora_magnitude_vector[active_adapter]
+    magnitude = owner.weight
+    reason = _reason(base, lora_A, lora_B_layer, magnitude)
     if reason is not None or x.device != result.device:
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
-    base = module.get_base_layer()
     weight = base.weight.T if module.fan_in_fan_out else base.weight
-    lora_A, lora_B = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
-    magnitude = module.lora_magnitude_vector[active_adapter].weight
+    lora_B = lora_B_layer.weight
     scaling = float(module.scaling[active_adapter])
+    cache_id = owner.__dict__.get("_flashdora_cache_id")
+    if cache_id is None:
+        cache_id = _cache_id(module, active_adapter)
+    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, cache_id)
     dropout = module.lora_dropout[active_adapter]
-    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(module, active_adapter))
-    if isinstance(dropout, nn.Identity) or not module.training:
+    if not module.training or isinstance(dropout, nn.Identity):
         return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=base.bias)
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
     return compose(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
+
+
+_PEFT_CAST = LoraLayer._cast_input_dtype
+
+
+def _cast_input_dtype(self, x, dtype: torch.dtype):
+    """PEFT's cast of a LoRA layer's input to the adapters' dtype, skipped where it cannot change any value.
+
+    Under autocast PEFT casts a 16-bit ``x`` to the fp32 adapters' dtype and autocast casts it straight back for
+    the LoRA matmuls: a round trip that costs a cast each way in forward and backward. On layers whose active
+    adapters all run flashdora without an active dropout, flashdora takes ``x`` as it is (the values the matmuls see
+    are the same, bit for bit). Elsewhere (dropout in training, other adapters, no autocast) PEFT's cast runs.
+    """
+    if (
+        x is not None
+        and x.dtype != dtype
+        and torch.is_autocast_enabled(x.device.type)
+        and x.dtype == torch.get_autocast_dtype(x.device.type)
+    ):
+        variants_ = self.lora_variant
+        dropouts = self.lora_dropout
+        training = self.training
+        for adapter in self.active_adapters:
+            if adapter not in variants_:
+                if adapter in self.lora_A:
+                    break  # a vanilla LoRA adapter: PEFT's own path
+                continue
+            kind = type(variants_[adapter])
+            patched = kind is _PEFT_DORA and _PEFT_DORA.__dict__["forward"] is _FLASH_STATIC
+            if not (kind is FlashDoraLinearVariant or patched):
+                break
+            if training and not isinstance(dropouts[adapter], nn.Identity):
+                break
+        else:
+            return x
+    return _PEFT_CAST(self, x, dtype)
 
 
 def _cache_id(module: LoraLayer, adapter: str) -> int:
@@ -93,10 +139,13 @@ def _cache_id(module: LoraLayer, adapter: str) -> int:
     return cache_id
 
 
+_FLASH_STATIC = staticmethod(flash_forward)
+
+
 class FlashDoraLinearVariant(_PEFT_DORA):
     """PEFT's DoRA Linear variant with flashdora's forward (merge/unmerge/init stay PEFT's)."""
 
-    forward = staticmethod(flash_forward)
+    forward = _FLASH_STATIC
 
 
 class PeftDoraLinearVariant(_PEFT_DORA):
@@ -162,6 +211,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
     if not isinstance(norm_cache, bool):
         raise TypeError(f"enable: norm_cache expected a bool, got {type(norm_cache).__name__}")
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
+    LoraLayer._cast_input_dtype = _cast_input_dtype  # PEFT's method on every other layer (see its docstring)
     return model
 
 
@@ -178,7 +228,8 @@ def patch_peft() -> None:
 
     Layers switched with ``disable(model)`` stay on PEFT. Undo with ``unpatch_peft()``.
     """
-    _PEFT_DORA.forward = staticmethod(flash_forward)
+    _PEFT_DORA.forward = _FLASH_STATIC
+    LoraLayer._cast_input_dtype = _cast_input_dtype
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
             counting = _counting(cls)  # captures PEFT's forward before it is replaced

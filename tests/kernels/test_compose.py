@@ -106,7 +106,9 @@ def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisone
     dy = torch.randn(*lead, d_out, device=device, dtype=dtype)
     inner = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_inner else None
     g, gm1 = _scales(d_out, device)
-    out_gdy, out_dlb, out_dg = _kernels().compose_bwd(dy, inner, g, gm1, has_lx_base)
+    inv = 0.5 + torch.rand(d_out, device=device)  # 1 / norm
+    scales = torch.stack([g, gm1, inv])
+    out_gdy, out_dlb, out_dg = _kernels().compose_bwd(dy, inner, scales, has_lx_base)
     assert out_gdy.shape == dy.shape and out_gdy.dtype == dtype
     assert (out_dlb is not None) == has_lx_base and (out_dg is not None) == has_inner
     d64 = dy.double()
@@ -116,15 +118,15 @@ def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisone
             assert out_dlb.dtype == dtype
             assert_close(out_dlb, gm1.double() * d64, RTOL[dtype], "(g - 1) dy")
     if has_inner:
-        ref_dg = (d64 * inner.double()).reshape(-1, d_out).sum(0)
+        ref_dg = (d64 * inner.double()).reshape(-1, d_out).sum(0) * inv.double()
         assert out_dg.shape == (d_out,) and out_dg.dtype == torch.float32
         if dy.numel() == 0:
             assert torch.equal(out_dg, torch.zeros_like(out_dg))
         else:
             assert_close(out_dg, ref_dg, RTOL[torch.float32], "dg")
-            eager_dg = compose_bwd_eager(dy, inner, g, gm1, has_lx_base)[2]
+            eager_dg = compose_bwd_eager(dy, inner, scales, has_lx_base)[2]
             assert_close(out_dg, eager_dg.double(), RTOL[torch.float32], "dg vs eager")
-            again = _kernels().compose_bwd(dy, inner, g, gm1, has_lx_base)[2]
+            again = _kernels().compose_bwd(dy, inner, scales, has_lx_base)[2]
             assert torch.equal(out_dg, again), "dg is not bitwise reproducible"
 
 

@@ -111,6 +111,7 @@ def _compose_fused_fwd_kernel(
         mask_k = (k + offs_k) < R
         b_a = tl.load(p_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b_b = tl.load(p_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        b_b = _to_out(b_b, b_a.dtype, EMULATE_RNE)  # lora_B arrives in its own dtype (fp32 adapters)
         if UPCAST_DOT:  # the 3.9 interpreter multiplies bf16 blocks as raw integers; exact values, fp32 product
             b_lora = tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), b_lora, input_precision=DOT_PRECISION)
         else:
@@ -128,13 +129,14 @@ def _compose_fused_fwd_kernel(
 @triton.autotune(configs=configs.COMPOSE_BWD, key=["N"])
 @triton.jit(do_not_specialize=["T", "rows_per_prog"])
 def _compose_bwd_kernel(
-    p_dy, p_inner, p_g, p_gm1, p_gdy, p_d_lx_base, p_dg_part,
+    p_dy, p_inner, p_g, p_gm1, p_inv, p_gdy, p_d_lx_base, p_dg_part,
     T, N, rows_per_prog,
     stride_dy, stride_inner, stride_gdy, stride_d_lx_base,
     HAS_INNER: tl.constexpr, HAS_LX_BASE: tl.constexpr, EMULATE_RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """g dy and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of dy * inner."""
+    """g dy and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of
+    dy * inner / norm (the magnitude gradient's share)."""
     pid_s = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N]
@@ -160,20 +162,23 @@ def _compose_bwd_kernel(
             b_inner = tl.load(p_inner + offs_m[:, None] * stride_inner + offs_n[None, :], mask=mask, other=0.0)
             b_dg += b_dy * b_inner.to(acc)
     if HAS_INNER:
-        tl.store(p_dg_part + pid_s * N + offs_n, tl.sum(b_dg, axis=0), mask=mask_n)
+        b_inv = tl.load(p_inv + offs_n, mask=mask_n, other=0.0)
+        tl.store(p_dg_part + pid_s * N + offs_n, tl.sum(b_dg, axis=0) * b_inv, mask=mask_n)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as a 2-D ``[tokens, n]`` tensor whose last dim has stride 1 (a view when the strides allow)."""
     t2 = t.reshape(-1, n)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+# The wrappers below run once per layer call on the host, which is the bottleneck at ordinary layer sizes: they do
+# no checks (ops/ validates) and as few torch calls as they can.
 
 
 def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
-    """Shared forward plumbing: 2-D views, optional-input stand-ins and the (y, inner) outputs."""
+    """Shared forward plumbing: 2-D views, optional-input stand-ins, the (y, inner) outputs and the flags."""
     n = result.shape[-1]
-    assert g.shape == (n,) and gm1.shape == (n,) and g.is_contiguous() and gm1.is_contiguous()
-    assert g.dtype == gm1.dtype
     res2 = _rows(result, n)
     has_lx_base = lx_base is not None
     has_bias = bias is not None and not has_lx_base
@@ -188,7 +193,6 @@ def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
 
 def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
     """Triton ``compose_fwd_eager``: ``(y, inner or None)``, both shaped and typed like ``result``."""
-    assert lora.shape == result.shape
     res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
     lora2 = _rows(lora, result.shape[-1])
     t, n = y.shape
@@ -199,22 +203,22 @@ def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inn
             t, n, float(scaling),
             res2.stride(0), lora2.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
         )  # fmt: skip
-        configs.launch(_compose_fwd_kernel, grid, (n,), args, flags)
+        key = (n, result.dtype, lora.dtype, lb2.dtype, bias_c.dtype, g.dtype)
+        configs.launch(_compose_fwd_kernel, grid, key, args, flags)
     return y.view(result.shape), inner.view(result.shape) if save_inner else None
 
 
 def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
     """``compose_fwd(result, a @ lora_B^T, ...)`` with the LoRA B matmul inside the kernel (never written out).
 
-    ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]``, cast to ``a``'s dtype like the eager
-    matmul. The LoRA tile stays in float32 (the unfused path rounds it to ``a``'s dtype first).
+    ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]`` in any float dtype, rounded to ``a``'s
+    dtype in registers as the eager matmul's cast would (no cast pass). The LoRA tile stays in float32 (the
+    unfused path rounds it to ``a``'s dtype first).
     """
     r = a.shape[-1]
-    assert a.shape[:-1] == result.shape[:-1] and lora_B.shape == (result.shape[-1], r)
     res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
     a2 = _rows(a, r)
-    b = lora_B.to(a.dtype)
-    b = b if b.stride(-1) == 1 else b.contiguous()
+    b = lora_B if lora_B.stride(1) == 1 else lora_B.contiguous()
     t, n = y.shape
     if t > 0 and n > 0:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
@@ -223,25 +227,24 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
             t, n, r, float(scaling),
             res2.stride(0), a2.stride(0), b.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
         )  # fmt: skip
-        flags.update(
-            DOT_PRECISION="tf32x3" if a.dtype == torch.float32 else "tf32",
-            UPCAST_DOT=configs.INTERPRETED and a.dtype == torch.bfloat16,
-        )
-        configs.launch(_compose_fused_fwd_kernel, grid, (n, r), args, flags)
+        flags["DOT_PRECISION"] = "tf32x3" if a.dtype == torch.float32 else "tf32"
+        flags["UPCAST_DOT"] = configs.INTERPRETED and a.dtype == torch.bfloat16
+        key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, g.dtype)
+        configs.launch(_compose_fused_fwd_kernel, grid, key, args, flags)
     return y.view(result.shape), inner.view(result.shape) if save_inner else None
 
 
-def compose_bwd(dy, inner, g, gm1, has_lx_base):
-    """Triton ``compose_bwd_eager``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner or None)``.
+def compose_bwd(dy, inner, scales, has_lx_base):
+    """Triton ``compose_bwd_eager``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner / norm or None)``.
 
-    ``dg`` is deterministic: each program writes the partial sum of its own token range to a
-    ``[n_splits, d_out]`` buffer, then ``torch.sum`` adds the rows in a fixed order.
+    ``scales``: ``[3, d_out]`` rows ``(g, g - 1, 1 / norm)``. The magnitude gradient is deterministic: each program
+    writes its own token range's partial sum to a ``[n_splits, d_out]`` buffer, and ``torch.sum`` adds the rows in
+    a fixed order.
     """
     n = dy.shape[-1]
-    assert g.shape == (n,) and gm1.shape == (n,) and g.is_contiguous() and gm1.is_contiguous()
-    assert inner is None or inner.shape == dy.shape
     dy2 = _rows(dy, n)
     inner2 = _rows(inner, n) if inner is not None else dy2
+    g, gm1, inv = scales[0], scales[1], scales[2]
     t = dy2.shape[0]
     gdy = torch.empty((t, n), dtype=dy.dtype, device=dy.device)
     d_lx_base = torch.empty((t, n), dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
@@ -251,23 +254,34 @@ def compose_bwd(dy, inner, g, gm1, has_lx_base):
     if t > 0 and n > 0:
         grid = lambda meta: (n_split, triton.cdiv(n, meta["BLOCK_N"]))
         args = (
-            dy2, inner2, g, gm1, gdy, d_lx_base, dg_part,
+            dy2, inner2, g, gm1, inv, gdy, d_lx_base, dg_part,
             t, n, rows_per_prog,
             dy2.stride(0), inner2.stride(0), gdy.stride(0), d_lx_base.stride(0),
         )  # fmt: skip
         flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)
-        configs.launch(_compose_bwd_kernel, grid, (n,), args, flags)
+        configs.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, g.dtype), args, flags)
     dg = None
     if inner is not None:
-        dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
+        if n_split == 1:
+            dg = dg_part[0]
+        else:
+            dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
     return gdy.view(dy.shape), d_lx_base.view(dy.shape) if has_lx_base else None, dg
+
+
+_ROWS_PER_PROG: dict[tuple, int] = {}
 
 
 def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
     """Tokens per backward program: a multiple of every BLOCK_M, sized for a few waves; independent of config."""
+    key = (t, n, device)
+    hit = _ROWS_PER_PROG.get(key)
+    if hit is not None:
+        return hit
     q = configs.COMPOSE_BWD_ROW_QUANTUM
     sms = configs.sm_count(device)
     target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
     col_blocks = triton.cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
     n_split = max(1, triton.cdiv(target, col_blocks))
-    return max(q, triton.cdiv(triton.cdiv(t, n_split), q) * q)
+    rows = _ROWS_PER_PROG[key] = max(q, triton.cdiv(triton.cdiv(t, n_split), q) * q)
+    return rows

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 import triton
+from triton import knobs
+from triton.runtime.autotuner import Heuristics
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -129,21 +132,64 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-_BEST: dict[tuple, dict] = {}
+_TUNED: dict[tuple, dict] = {}  # (kernel, key) -> the autotuner's choice
+_COMPILED: dict[tuple, tuple] = {}  # (kernel, key, flags, specialization) -> (compiled kernel, constexpr tail)
+_I32 = range(-(2**31), 2**31)
 
 
-def launch(kernel, grid, key: tuple, args: tuple, kwargs: dict) -> None:
-    """``kernel[grid](*args, **kwargs)`` for an autotuned kernel, skipping the autotuner's per-call Python once tuned.
+def _specialization(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, per argument: 16-byte alignment of pointers, divisibility by 16
+    (and 1, and 32-bit range) of integers. Two calls with equal tuples can share one compiled kernel."""
+    return tuple(
+        [
+            (a.data_ptr() & 15) == 0 if type(a) is torch.Tensor
+            else ((a & 15) == 0, a == 1, a in _I32) if type(a) is int
+            else None
+            for a in args
+        ]
+    )  # fmt: skip
 
-    ``key`` holds the values of the kernel's autotune key; the argument dtypes are added here, as Triton does. On
-    the GPU the autotuner's own bookkeeping cost ~100 us a call on the device machines' CPU, which a DoRA layer of
-    ordinary size cannot hide (docs/decisions.md).
+
+def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
+    """``kernel[grid](*args, **flags)`` for an autotuned ``kernel``, at a fraction of the host cost once warm.
+
+    ``key`` must determine the autotuner's choice (its key values and the argument dtypes); ``flags`` are the
+    constexpr keyword arguments. The first call of a key runs the autotuner; the first call of each
+    (key, flags, specialization) compiles through Triton's JIT; later calls go straight to the compiled kernel's
+    launcher. On the device machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch, which a DoRA
+    layer of ordinary size cannot hide (docs/decisions.md).
     """
-    full_key = (id(kernel), key, tuple(str(a.dtype) for a in args if hasattr(a, "dtype")))
-    config = _BEST.get(full_key)
+    tuned_key = (id(kernel), key)
+    config = _TUNED.get(tuned_key)
     if config is None:
-        kernel[grid](*args, **kwargs)
-        if not INTERPRETED:
-            _BEST[full_key] = kernel.best_config.all_kwargs()
+        kernel[grid](*args, **flags)
+        if INTERPRETED:
+            return
+        config = _TUNED[tuned_key] = kernel.best_config.all_kwargs()
         return
-    kernel.fn[grid](*args, **kwargs, **config)
+    g = grid(config)
+    if INTERPRETED:
+        kernel.fn[g](*args, **flags, **config)
+        return
+    fn = kernel.fn
+    extra = {}
+    if isinstance(fn, Heuristics):  # constexprs computed from the arguments (e.g. EVEN_K)
+        named = {**dict(zip(fn.arg_names, args)), **flags, **config}
+        extra = {name: rule(named) for name, rule in fn.values.items()}
+    compiled_key = (tuned_key, tuple(flags.values()), tuple(extra.values()), _specialization(args))
+    hit = _COMPILED.get(compiled_key)
+    if hit is None:
+        compiled = fn[g](*args, **flags, **config)
+        if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):  # Triton 3.x CompiledKernel
+            values = {**flags, **config, **extra}
+            tail = tuple(values[name] for name in fn.arg_names[len(args) :])
+            _COMPILED[compiled_key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    hooks = knobs.runtime
+    compiled.run(
+        g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, compiled.function,
+        compiled.packed_metadata, compiled.launch_metadata(g, stream, *args, *tail),
+        hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail,
+    )  # fmt: skip

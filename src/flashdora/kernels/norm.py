@@ -185,7 +185,6 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True, partials=F
     half = weight.dtype in _HALF
     a = lora_A.detach().to(weight.dtype).contiguous()  # [r, d_in]
     b = lora_B if lora_B.dtype in (*_HALF, torch.float32) else lora_B.float()
-    out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
     assert d_out > 0 and d_in > 0 and r > 0
     g = gram(lora_A)  # [r, r], symmetric
     block_r = configs.norm_block_r(r)
@@ -201,10 +200,10 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, fuse_w_sq=True, partials=F
         UPCAST_DOT=configs.INTERPRETED and weight.dtype == torch.bfloat16, FUSE_W_SQ=fuse_w_sq,
         BLOCK_R=block_r, BLOCK_G=configs.NORM_GRAM_BLOCK_K,
     )  # fmt: skip
-    configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r), args, flags)
+    configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r, weight.dtype, b.dtype), args, flags)
     if partials and fuse_w_sq:
         return part
-    torch.sum(part, dim=0, out=out)
+    out = part.sum(0)
     if not fuse_w_sq:
         out += torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square_()
     return out
@@ -235,8 +234,8 @@ def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, FROM_SQ: tl.con
 
 def _finish(part: torch.Tensor, magnitude: torch.Tensor, from_sq: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n_part, d_out = part.shape
-    norm = torch.empty(d_out, dtype=torch.float32, device=part.device)
-    scales = torch.empty((3, d_out), dtype=torch.float32, device=part.device)
+    both = torch.empty((4, d_out), dtype=torch.float32, device=part.device)
+    norm, scales = both[0], both[1:]
     block = 1024 if not configs.INTERPRETED else 64
     m = magnitude.detach().contiguous()
     _scales_kernel[(triton.cdiv(d_out, block),)](part, m, norm, scales, n_part, d_out, FROM_SQ=from_sq, BLOCK=block)

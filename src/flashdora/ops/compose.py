@@ -37,12 +37,13 @@ def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, sa
     return y.to(result.dtype), inner.to(result.dtype) if save_inner else None
 
 
-def compose_bwd_eager(dy, inner, g, gm1, has_lx_base):
-    """Eager twin of ``kernels.compose.compose_bwd``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner)``."""
+def compose_bwd_eager(dy, inner, scales, has_lx_base):
+    """Eager twin of ``kernels.compose.compose_bwd``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner / norm)``."""
+    g, gm1, inv = scales
     d32 = dy.to(g.dtype)
     gdy = (d32 * g).to(dy.dtype)
     d_lx_base = (d32 * gm1).to(dy.dtype) if has_lx_base else None
-    dg = None if inner is None else (d32 * inner.to(g.dtype)).reshape(-1, dy.shape[-1]).sum(0)
+    dg = None if inner is None else (d32 * inner.to(g.dtype)).reshape(-1, dy.shape[-1]).sum(0) * inv
     return gdy, d_lx_base, dg
 
 
@@ -59,58 +60,69 @@ def _empty(like: Tensor) -> Tensor:
 
 
 def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
-    """Forward body: ``(y, a, inner | None, lx_c, A_c, B_c)``: ``a = lx A^T``; ``lx_c``, ``A_c``, ``B_c`` are the
-    LoRA input and adapters in the matmul dtype (backward reuses them instead of casting again)."""
+    """Forward body: ``(y, a, inner | None, lx_c, A_c)``: ``a = lx A^T``; ``lx_c``, ``A_c`` are the LoRA input and
+    ``lora_A`` in the matmul dtype (backward reuses them instead of casting again)."""
     triton = backend.use_triton(result)
     backend.count("triton" if triton else "eager")
     with torch.autocast(result.device.type, enabled=False):
-        lx_c, a_c, b_c = lx.to(compute_dtype), lora_A.to(compute_dtype), lora_B.to(compute_dtype)
+        lx_c, a_c = lx.to(compute_dtype), lora_A.to(compute_dtype)
         a = F.linear(lx_c, a_c)  # [..., r]
-        g, gm1 = scales[0], scales[1]
-        if triton:  # the LoRA B matmul runs inside the compose kernel: its output is never written
+        if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
             from flashdora.kernels.compose import compose_fwd_fused
 
-            y, inner = compose_fwd_fused(result, a, b_c, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+            y, inner = compose_fwd_fused(
+                result, a, lora_B, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner
+            )
         else:
-            lora = F.linear(a, b_c)  # [..., d_out]
+            lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
+            g, gm1 = scales[0], scales[1]
             y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
-    return y, a, inner, lx_c, a_c, b_c
+    return y, a, inner, lx_c, a_c
 
 
-def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+def _mm_grad(x, y, alpha, dtype):
+    """``alpha x @ y`` in ``dtype`` (a parameter's gradient), written in ``dtype`` by the GEMM on CUDA (no cast)."""
+    if x.is_cuda and dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16):
+        if alpha == 1.0:
+            return torch.mm(x, y, out_dtype=dtype)
+        return torch.addmm(x.new_empty((), dtype=dtype), x, y, beta=0, alpha=alpha, out_dtype=dtype)
+    out = torch.mm(x, y) if alpha == 1.0 else torch.addmm(x.new_empty(()), x, y, beta=0, alpha=alpha)
+    return out.to(dtype)
+
+
+def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs, grad_dtypes):
     """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
 
     ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
-    ``d_A`` and ``d_B`` come in the matmul dtype (the callers cast them to the parameters' dtypes). ``s`` rides on
-    the GEMMs' alpha, never on a separate pass.
+    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any; ``d_A`` and ``d_B`` come in ``grad_dtypes`` (the
+    parameters' dtypes). ``s`` rides on the GEMMs' alpha, never on a separate pass.
     """
     cd = a.dtype
-    g, gm1, inv = scales
-    if backend.use_triton(dy):
-        from flashdora.kernels.compose import compose_bwd
-    else:
-        compose_bwd = compose_bwd_eager
     out = [None] * 7
     with torch.autocast(dy.device.type, enabled=False):
-        gdy, d_lx_base, dg = compose_bwd(dy.contiguous(), inner, g, gm1, has_lx_base)
+        if backend.use_triton(dy):
+            from flashdora.kernels.compose import compose_bwd
+
+            gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base)
+        else:
+            gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base)
         if needs[0] and not has_lx_base:
             out[0] = gdy
         if needs[2] and has_lx_base:
             out[2] = d_lx_base
         if needs[3] and has_bias and not has_lx_base:
-            out[3] = -(gm1 * dy.reshape(-1, dy.shape[-1]).to(g.dtype).sum(0))
+            out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
         if needs[1] or needs[4] or needs[5]:
-            gdy_c = gdy.to(cd).reshape(-1, gdy.shape[-1])  # [T, d_out]
-            unused = gdy_c.new_empty(())  # addmm's input, ignored with beta = 0
-            da = torch.addmm(unused, gdy_c, lora_B.to(cd), beta=0, alpha=scaling)  # [T, r]
+            gdy_c = gdy.reshape(-1, gdy.shape[-1]).to(cd)  # [T, d_out]
+            da = torch.addmm(gdy_c.new_empty(()), gdy_c, lora_B.to(cd), beta=0, alpha=scaling)  # s gdy B: [T, r]
             if needs[5]:
-                out[5] = torch.addmm(unused, gdy_c.T, a.reshape(-1, a.shape[-1]), beta=0, alpha=scaling)
+                out[5] = _mm_grad(gdy_c.T, a.reshape(-1, a.shape[-1]), scaling, grad_dtypes[1])
             if needs[4]:
-                out[4] = da.T @ lx_c.reshape(-1, lx_c.shape[-1])
+                out[4] = _mm_grad(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0, grad_dtypes[0])
             if needs[1]:
-                out[1] = (da @ lora_A.to(cd)).reshape(lx_c.shape)
-        if needs[6] and dg is not None:
-            out[6] = dg * inv
+                out[1] = (da @ lora_A).reshape(lx_c.shape)
+        if needs[6]:
+            out[6] = dg
     return out
 
 
@@ -127,10 +139,10 @@ class ComposeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype):
         save_inner = ctx.needs_input_grad[6]
-        y, a, inner, lx_c, a_c, b_c = _fwd(
+        y, a, inner, lx_c, a_c = _fwd(
             result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
         )
-        ctx.save_for_backward(lx_c, a, inner, a_c, b_c, scales)
+        ctx.save_for_backward(lx_c, a, inner, a_c, lora_B, scales)
         dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
         ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
         return y
@@ -140,7 +152,7 @@ class ComposeFunction(torch.autograd.Function):
         lx_c, a, inner, a_c, b_c, scales = ctx.saved_tensors
         scaling, has_lx_base, has_bias, dtypes = ctx.meta
         needs = list(ctx.needs_input_grad[:7])
-        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs)
+        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs, dtypes[4:6])
         return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
 
 
@@ -162,9 +174,7 @@ def compose_fwd_op(
 
     ``magnitude`` is an input only so that autograd routes its gradient here; its value enters through ``scales``.
     """
-    y, a, inner, lx_c, _, _ = _fwd(
-        result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
-    )
+    y, a, inner, lx_c, _ = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
     inner = _empty(result) if inner is None else inner.contiguous()
     return y.contiguous(), a, inner, _empty(lx) if lx.dtype == compute_dtype else lx_c
 
@@ -196,11 +206,8 @@ def compose_bwd_op(
 
     Absence is passed as flags, never read from sizes: with zero tokens every tensor is empty but still present.
     """
-    grads = _bwd(dy, lx_c, a, inner if has_inner else None, lora_A, lora_B, scales, scaling, has_lx_base,
-                 has_bias, needs)  # fmt: skip
-    for i, param in ((4, lora_A), (5, lora_B)):
-        if grads[i] is not None:
-            grads[i] = grads[i].to(param.dtype)
+    grads = _bwd(dy, lx_c, a, inner if has_inner else None, lora_A.to(a.dtype), lora_B, scales, scaling,
+                 has_lx_base, has_bias, needs, (lora_A.dtype, lora_B.dtype))  # fmt: skip
     return [_empty(dy) if g is None else g for g in grads]
 
 

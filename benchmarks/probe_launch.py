@@ -1,0 +1,63 @@
+"""Host cost per call of the ways to launch flashdora's fused compose kernel, and torch's out_dtype matmuls (GPU).
+
+Usage: PYTHONPATH=src python3 benchmarks/probe_launch.py
+"""
+
+import time
+
+import torch
+import triton
+
+from flashdora.kernels import compose as kc
+
+dev = torch.device("cuda")
+t, n, r = 2048, 4096, 384
+res = torch.randn(t, n, device=dev, dtype=torch.bfloat16)
+a = torch.randn(t, r, device=dev, dtype=torch.bfloat16)
+b = torch.randn(n, r, device=dev, dtype=torch.bfloat16)
+g = torch.rand(n, device=dev) + 0.5
+gm1 = g - 1
+
+
+def host_us(fn, n_calls=500):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        fn()
+    us = (time.perf_counter() - t0) / n_calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+print(
+    "wrapper compose_fwd_fused:",
+    round(host_us(lambda: kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=True)), 1),
+    "us",
+)
+y = torch.empty_like(res)
+inner = torch.empty_like(res)
+args = (res, a, b, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
+flags = dict(
+    HAS_BIAS=False, HAS_LX_BASE=False, SAVE_INNER=True, EMULATE_RNE=False, DOT_PRECISION="tf32", UPCAST_DOT=False
+)
+grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+scales = torch.stack([g, gm1, 1 / g])
+dy = torch.randn_like(res)
+print("wrapper compose_bwd:", round(host_us(lambda: kc.compose_bwd(dy, res, scales, False)), 1), "us")
+for label, f in (
+    ("mm out_dtype fp32", lambda: torch.mm(a.T, a, out_dtype=torch.float32)),
+    (
+        "addmm out_dtype fp32",
+        lambda: torch.addmm(
+            torch.empty(0, device=dev, dtype=torch.float32), a.T, a, beta=0, alpha=0.5, out_dtype=torch.float32
+        ),
+    ),
+    ("mm + to fp32", lambda: torch.mm(a.T, a).float()),
+):
+    try:
+        out = f()
+        print(f"{label}: {out.dtype} {out.shape}, host {host_us(f):.1f} us")
+    except Exception as e:  # noqa: BLE001
+        print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}")

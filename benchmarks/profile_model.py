@@ -1,0 +1,127 @@
+"""Where does a model step go? Host issue time vs GPU time, GPU kernels by total time, Python hot spots (GPU).
+
+For PEFT LoRA and flashdora on a few decoder layers of a preset (default llama3-8b, 4 layers, r = 384, autocast):
+- ``wall``: CUDA-event time of one step; ``host``: time for Python to issue it (queue empty at the start);
+  host ~ wall means the step is bound by the CPU, not the GPU.
+- the kernels with the most GPU time (torch.profiler), and the sum of all kernel time per step;
+- cProfile of flashdora's steps (Python functions by own time).
+
+Usage: PYTHONPATH=src python3 benchmarks/profile_model.py [--layers 4] [--phases inference grad]
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashdora
+from flashdora.bench import model as bm
+
+p = argparse.ArgumentParser()
+bm.add_arguments(p)
+p.set_defaults(layers=4)
+p.add_argument("--top", type=int, default=14)
+p.add_argument("--cprofile", action="store_true")
+p.add_argument("--cpu-ops", action="store_true", help="also list the ops issued per step (counts, host time)")
+args = p.parse_args()
+device = torch.device("cuda")
+name, config = bm.build_config(args)
+ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
+base = bm.build_base(config, args, device)
+
+
+def host_and_wall(step, n=10):
+    hosts, walls = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        e0.record()
+        step()
+        e1.record()
+        hosts.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        walls.append(e0.elapsed_time(e1))
+    return statistics.median(hosts), statistics.median(walls)
+
+
+def kernel_table(step, label):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / 3 / 1e3
+    print(f"--- {label}: GPU kernel time per step {total:.2f} ms; top kernels (ms per step, calls per step)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+        print(f"  {e.self_device_time_total / 3 / 1e3:8.3f} {e.count // 3:5d}  {e.key[:110]}")
+    return total
+
+
+def cpu_table(step, label):
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print(f"--- {label}: host ops per step (calls, self host ms)")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top * 2]:
+        print(f"  {e.count / 2:7.1f} {e.self_cpu_time_total / 2 / 1e3:8.3f}  {e.key[:90]}")
+
+
+for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
+    model = bm.wrap(base, args, use_dora)
+    if use_dora:
+        flashdora.enable(model)
+    for phase in args.phases:
+        step = bm.step_fn(model, ids, phase, args)
+        for _ in range(3):
+            step()
+        host, wall = host_and_wall(step)
+        gpu = kernel_table(step, f"{name} {mode} {phase}")
+        print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
+        if args.cpu_ops:
+            cpu_table(step, f"{name} {mode} {phase}")
+        if args.cprofile and mode == "flashdora":
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    base = model.unload()
+    del model
+    torch.cuda.empty_cache()
+
+# Per-call host cost of a tiny launch: a torch op, and a Triton JIT launch.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _tiny(p, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(p + offs, tl.load(p + offs) + 1)
+
+
+t = torch.zeros(128, device=device)
+for label, fn in (
+    ("torch add_", lambda: t.add_(1)),
+    ("torch bf16 cast", lambda: t.to(torch.bfloat16)),
+    ("torch mm 128", lambda: torch.mm(t[:, None], t[None, :])),
+    ("triton jit launch", lambda: _tiny[(1,)](t, 128)),
+):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        fn()
+    host = (time.perf_counter() - t0) / 2000 * 1e6
+    torch.cuda.synchronize()
+    print(f"host per call: {label:20s} {host:6.1f} us")
