@@ -94,7 +94,7 @@ def _lora_params(model):
 
 def _action(rng, model, opt, state):
     """Apply one random action that may change weights, adapters or modes; returns its name."""
-    ids = _ids(rng.randrange(1000))
+    ids = _ids(rng.randrange(1000)).to(model.device)
     name = rng.choice(
         [
             "train_step",
@@ -145,11 +145,13 @@ def _action(rng, model, opt, state):
     return name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("seed", range(2))
-def test_cached_path_always_equals_a_fresh_computation(seed, kind, monkeypatch):
+def test_cached_path_always_equals_a_fresh_computation(seed, kind, device, monkeypatch):
+    """On CUDA the recomputations replay each layer's captured norm graph (checked at the end)."""
     rng = random.Random(seed)
-    model = build_peft_model("tiny", 4, 0.1, "cpu", seed=seed)
+    model = build_peft_model("tiny", 4, 0.1, device, seed=seed)
     model.add_adapter(
         "other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     )
@@ -160,7 +162,7 @@ def test_cached_path_always_equals_a_fresh_computation(seed, kind, monkeypatch):
     peft_twin = None
     for _ in range(25):
         name = _action(rng, model, opt, state)
-        ids = _ids(rng.randrange(1000))
+        ids = _ids(rng.randrange(1000)).to(device)
         model.eval()
         with torch.no_grad():
             cached = model(input_ids=ids).logits
@@ -172,3 +174,33 @@ def test_cached_path_always_equals_a_fresh_computation(seed, kind, monkeypatch):
             torch.testing.assert_close(
                 cached, peft_twin(input_ids=ids).logits, rtol=1e-5, atol=1e-5, msg=f"vs PEFT after {name}"
             )
+
+
+@pytest.mark.gpu
+def test_norm_graph_replays_track_optimizer_steps():
+    """CUDA: after the first step each layer's norm is a graph replay; every replay equals a fresh computation."""
+    from flashdora.ops.norm import NormCache, compute_norm
+
+    model = build_peft_model("tiny", 4, 0.0, "cuda", seed=3)
+    model.base_model.model.config.use_cache = False
+    flashdora.enable(model)
+    opt = torch.optim.AdamW(_lora_params(model), lr=0.05, fused=True)
+    layers = [m for m in model.modules() if hasattr(m, "lora_magnitude_vector") and "default" in m.lora_B]
+    for step in range(4):
+        ids = _ids(step).cuda()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model(input_ids=ids)  # the norm of the new weights: a replay from step 1 on
+        for layer in layers:
+            owner = layer.lora_magnitude_vector["default"]
+            cache = owner.__dict__["_flashdora_cache"]
+            assert "graph" in cache and cache["graph_captures"] == 1  # captured once, replayed since
+            w = layer.get_base_layer().weight
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            fresh = compute_norm(w.detach(), a.detach(), b.detach(), float(layer.scaling["default"]))
+            torch.testing.assert_close(cache["norm"], fresh, rtol=1e-6, atol=0)
+            m = owner.weight.detach()
+            torch.testing.assert_close(cache["scales"][0], m / fresh, rtol=1e-6, atol=0)
+    assert NormCache._owners
+    assert flashdora.stats()["norm:triton"] >= 4 * len(layers)

@@ -232,9 +232,9 @@ def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, FROM_SQ: tl.con
     tl.store(p_scales + 2 * d_out + offs, inv, mask=mask)
 
 
-def _finish(part: torch.Tensor, magnitude: torch.Tensor, from_sq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     n_part, d_out = part.shape
-    both = torch.empty((4, d_out), dtype=torch.float32, device=part.device)
+    both = torch.empty((4, d_out), dtype=torch.float32, device=part.device) if out is None else out
     norm, scales = both[0], both[1:]
     block = 1024 if not configs.INTERPRETED else 64
     m = magnitude.detach().contiguous()
@@ -242,13 +242,48 @@ def _finish(part: torch.Tensor, magnitude: torch.Tensor, from_sq: bool) -> tuple
     return norm, scales
 
 
-def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm, scales)`` in one go: the factored norm's partial sums finished together with ``ops.norm.scales``.
 
     Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: what the device machines'
-    CPU, not the GPU, pays for at ordinary layer sizes (docs/decisions.md).
+    CPU, not the GPU, pays for at ordinary layer sizes (docs/decisions.md). ``out``: a ``[4, d_out]`` float32
+    buffer to write ``norm`` (row 0) and the scales (rows 1-3) into.
     """
-    return _finish(factored_norm_sq(weight, lora_A, lora_B, scaling, partials=True), magnitude, from_sq=True)
+    return _finish(factored_norm_sq(weight, lora_A, lora_B, scaling, partials=True), magnitude, True, out)
+
+
+_GRAPH_POOL = None
+
+
+class NormGraph:
+    """``norm_and_scales`` of one layer captured as a CUDA graph: one host call per recomputation instead of ~8.
+
+    The norm is recomputed once per optimizer step on the same parameter storage, so the launches never change:
+    replaying the graph re-reads W, A, B and the magnitude where they live and writes ``out`` (a static
+    ``[4, d_out]`` buffer). Temporaries live in one memory pool shared by every layer's graph (graphs replay one
+    at a time on the current stream, and nothing they allocate outlives a replay).
+    """
+
+    def __init__(self, weight, lora_A, lora_B, scaling, magnitude):
+        global _GRAPH_POOL
+        if _GRAPH_POOL is None:
+            _GRAPH_POOL = torch.cuda.graph_pool_handle()
+        self.out = torch.empty((4, weight.shape[0]), dtype=torch.float32, device=weight.device)
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(weight.device)
+        stream.wait_stream(torch.cuda.current_stream(weight.device))
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(pool=_GRAPH_POOL, capture_error_mode="thread_local")
+            try:
+                norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=self.out)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(weight.device).wait_stream(stream)
+
+    def __call__(self) -> torch.Tensor:
+        """Replay; returns a fresh copy of ``[norm; g; g - 1; 1 / norm]`` (the buffer is overwritten next time)."""
+        self.graph.replay()
+        return self.out.clone()
 
 
 def scales_from_norm(magnitude, norm) -> torch.Tensor:

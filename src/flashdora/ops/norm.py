@@ -174,6 +174,43 @@ def _watch_optimizers() -> None:
         _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def graphs_enabled() -> bool:
+    """``FLASHDORA_NORM_GRAPH`` (default on): replay each layer's norm computation as a CUDA graph."""
+    return os.environ.get("FLASHDORA_NORM_GRAPH", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_MAX_CAPTURES = 3  # per layer: storage that keeps moving (e.g. parameters gathered into new buffers) stops capturing
+
+
+def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B, magnitude):
+    """``_fresh`` on the Triton path, replayed from a per-layer CUDA graph once one is captured for this storage.
+
+    A graph re-reads its inputs where they were at capture, so it is keyed on storage, shape, strides, dtype and
+    device (never on version counters: new values in the same storage are what it is for) and on ``scaling``.
+    The first computation for a storage runs eagerly (and warms the autotuner); it is captured for the next.
+    """
+    scaling = key[3]
+    storage = tuple(k[:1] + k[2:] for k in (*key[:3], m_key)) + (scaling,)
+    entry = cache.get("graph")
+    if entry is not None and entry[0] == storage:
+        backend.count("norm:triton")
+        both = entry[1]()
+        return both[0], both[1:]
+    fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True)
+    captures = cache.get("graph_captures", 0)
+    if captures < _MAX_CAPTURES and graphs_enabled() and not torch.cuda.is_current_stream_capturing():
+        cache["graph_captures"] = captures + 1
+        cache.pop("graph", None)
+        from flashdora.kernels.norm import NormGraph
+
+        try:
+            cache["graph"] = (storage, NormGraph(weight, lora_A, lora_B, scaling, magnitude))
+        except Exception as e:  # noqa: BLE001 - a capture failure costs speed, never correctness
+            cache["graph_captures"] = _MAX_CAPTURES
+            backend.warn_once("norm_graph", f"flashdora: norm CUDA graph capture failed, running eagerly ({e})")
+    return fresh
+
+
 class NormCache:
     """Per-layer storage, O(d_out): the norm, ``||W||^2`` and the scales, each with the key it was made for.
 
@@ -209,12 +246,13 @@ class NormCache:
         if cache.get("norm_key") == key:
             backend.count("norm:cached")
             cache["scales"] = _scales(magnitude, cache["norm"], triton)
+        elif triton:  # the fused kernel gets ||W||^2 from its read of W
+            cache["norm"], cache["scales"] = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude)
+            cache["norm_key"] = key
         else:
-            w_sq = None
-            if not triton:  # the fused kernel gets ||W||^2 from its read of W
-                if cache.get("w_sq_key") != key[0]:
-                    cache["w_sq_key"], cache["w_sq"] = key[0], weight_sq_eager(weight)
-                w_sq = cache["w_sq"]
+            if cache.get("w_sq_key") != key[0]:
+                cache["w_sq_key"], cache["w_sq"] = key[0], weight_sq_eager(weight)
+            w_sq = cache["w_sq"]
             cache["norm"], cache["scales"] = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)
             cache["norm_key"] = key
         cache["scales_key"] = full_key
