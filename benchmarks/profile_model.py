@@ -81,7 +81,9 @@ for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
         step = bm.step_fn(model, ids, phase, args)
         for _ in range(3):
             step()
+        flashdora.reset_stats()
         host, wall = host_and_wall(step)
+        print(f"    stats over 10 steps: {flashdora.stats()}")
         gpu = kernel_table(step, f"{name} {mode} {phase}")
         print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
         if args.cpu_ops:
