@@ -80,7 +80,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     lora_B = lora_B_layer.weight
     scaling = float(module.scaling[active_adapter])
     cache_id = owner.__dict__.get("_flashdora_cache_id")
-    if cache_id is None:
+    if cache_id is None or (cache_id != id(owner) and cache_id >= 0):  # new, or a copy of another model's layer
         cache_id = _cache_id(module, active_adapter)
     scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, cache_id)
     dropout = module.lora_dropout[active_adapter]
@@ -132,7 +132,7 @@ def _cache_id(module: LoraLayer, adapter: str) -> int:
     """The norm-cache id of a (layer, adapter): registered on first eager use, or by ``enable``; -1 means none."""
     owner = module.lora_magnitude_vector[adapter]
     cache_id = getattr(owner, "_flashdora_cache_id", None)
-    if cache_id is None:
+    if cache_id is None or (cache_id != id(owner) and cache_id >= 0):
         if torch.compiler.is_compiling():
             return -1
         cache_id = owner._flashdora_cache_id = NormCache.register(owner)

@@ -204,3 +204,23 @@ def test_norm_graph_replays_track_optimizer_steps():
             torch.testing.assert_close(cache["scales"][0], m / fresh, rtol=1e-6, atol=0)
     assert NormCache._owners
     assert flashdora.stats()["norm:triton"] >= 4 * len(layers)
+
+
+def test_copies_of_a_model_get_their_own_cache():
+    """deepcopy (EMA or reference models) and pickling start a layer's cache afresh, never share the original's."""
+    import pickle
+
+    model = _model().eval()
+    ids = _ids(0)
+    with torch.no_grad():
+        model(input_ids=ids)
+    twin = copy.deepcopy(model)
+    pickle.loads(pickle.dumps(model))
+    flashdora.reset_stats()
+    with torch.no_grad():
+        twin(input_ids=ids)
+        model(input_ids=ids)
+        twin(input_ids=ids)
+    assert _norm_computations() == N_LAYERS  # the twin computes its own once; the original keeps its cache
+    for owner in (m.lora_magnitude_vector["default"] for m in twin.modules() if hasattr(m, "lora_magnitude_vector")):
+        assert owner._flashdora_cache_id == id(owner)

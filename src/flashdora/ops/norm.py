@@ -174,6 +174,17 @@ def _watch_optimizers() -> None:
         _hook_handle = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+class _Entries(dict):
+    """One layer's cache entries. Copies and pickles of a model start empty: the entries describe this model's
+    storage (and hold CUDA graphs, which cannot be copied)."""
+
+    def __deepcopy__(self, memo):
+        return _Entries()
+
+    def __reduce__(self):
+        return _Entries, ()
+
+
 def graphs_enabled() -> bool:
     """``FLASHDORA_NORM_GRAPH`` (default on): replay each layer's norm computation as a CUDA graph."""
     return os.environ.get("FLASHDORA_NORM_GRAPH", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -237,7 +248,9 @@ class NormCache:
         triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if owner is None:
             return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
-        cache = owner.__dict__.setdefault("_flashdora_cache", {})
+        cache = owner.__dict__.get("_flashdora_cache")
+        if cache is None:
+            cache = owner.__dict__["_flashdora_cache"] = _Entries()
         key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling, _optimizer_steps)
         full_key = (key, _tensor_key(magnitude))
         if cache.get("scales_key") == full_key:
