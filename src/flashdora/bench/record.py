@@ -72,7 +72,10 @@ def device_slug(info: dict) -> str:
 
 def git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout flashdora runs from; ``FLASHDORA_COMMIT``/``FLASHDORA_DIRTY`` stand in for
-    a copy without ``.git`` (e.g. a tree shipped to a GPU machine)."""
+    a copy without ``.git`` or with a stale one (e.g. a tree shipped to a GPU machine), and win when set."""
+    if os.environ.get("FLASHDORA_COMMIT"):
+        dirty = os.environ.get("FLASHDORA_DIRTY")
+        return os.environ["FLASHDORA_COMMIT"], None if dirty is None else dirty not in ("0", "false", "")
     try:
         commit = subprocess.run(
             ["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -82,8 +85,7 @@ def git_state() -> tuple[str | None, bool | None]:
         ).stdout
         return commit, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        dirty = os.environ.get("FLASHDORA_DIRTY")
-        return os.environ.get("FLASHDORA_COMMIT"), None if dirty is None else dirty not in ("0", "false", "")
+        return None, None
 
 
 def command_line() -> list[str]:
