@@ -252,7 +252,26 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None) -> tup
     return _finish(factored_norm_sq(weight, lora_A, lora_B, scaling, partials=True), magnitude, True, out)
 
 
-_GRAPH_POOL = None
+_GRAPH_POOLS: dict[int, tuple] = {}
+
+
+def _graph_pool(device: torch.device):
+    """The memory pool every norm graph on ``device`` captures into, kept alive for the process.
+
+    A private pool is freed when the last graph captured into it dies (a model deleted, a layer recaptured); the
+    next capture into its handle would then fail. An empty anchor graph captured first holds the pool open.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entry = _GRAPH_POOLS.get(index)
+    if entry is None:
+        handle = torch.cuda.graph_pool_handle()
+        anchor = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+            anchor.capture_end()
+        entry = _GRAPH_POOLS[index] = (handle, anchor)
+    return entry[0]
 
 
 class NormGraph:
@@ -260,20 +279,18 @@ class NormGraph:
 
     The norm is recomputed once per optimizer step on the same parameter storage, so the launches never change:
     replaying the graph re-reads W, A, B and the magnitude where they live and writes ``out`` (a static
-    ``[4, d_out]`` buffer). Temporaries live in one memory pool shared by every layer's graph (graphs replay one
-    at a time on the current stream, and nothing they allocate outlives a replay).
+    ``[4, d_out]`` buffer). Temporaries live in one memory pool per device shared by every layer's graph (graphs
+    replay one at a time on the current stream, and nothing they allocate outlives a replay).
     """
 
     def __init__(self, weight, lora_A, lora_B, scaling, magnitude):
-        global _GRAPH_POOL
-        if _GRAPH_POOL is None:
-            _GRAPH_POOL = torch.cuda.graph_pool_handle()
+        pool = _graph_pool(weight.device)
         self.out = torch.empty((4, weight.shape[0]), dtype=torch.float32, device=weight.device)
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(weight.device)
         stream.wait_stream(torch.cuda.current_stream(weight.device))
         with torch.cuda.stream(stream):
-            self.graph.capture_begin(pool=_GRAPH_POOL, capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=self.out)
             finally:
