@@ -79,10 +79,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     weight = base.weight.T if module.fan_in_fan_out else base.weight
     lora_B = lora_B_layer.weight
     scaling = float(module.scaling[active_adapter])
-    cache_id = owner.__dict__.get("_flashdora_cache_id")
-    if cache_id is None or (cache_id != id(owner) and cache_id >= 0):  # new, or a copy of another model's layer
-        cache_id = _cache_id(module, active_adapter)
-    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, cache_id)
+    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
     dropout = module.lora_dropout[active_adapter]
     if not module.training or isinstance(dropout, nn.Identity):
         return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=base.bias)
@@ -128,10 +125,10 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
     return _PEFT_CAST(self, x, dtype)
 
 
-def _cache_id(module: LoraLayer, adapter: str) -> int:
-    """The norm-cache id of a (layer, adapter): registered on first eager use, or by ``enable``; -1 means none."""
-    owner = module.lora_magnitude_vector[adapter]
-    cache_id = getattr(owner, "_flashdora_cache_id", None)
+def _cache_id(owner) -> int:
+    """The norm-cache id of a (layer, adapter)'s magnitude ``owner``: registered on first eager use, or by ``enable``
+    (again for a copy of another model's layer, which carries that layer's id); -1 means none."""
+    cache_id = owner.__dict__.get("_flashdora_cache_id")
     if cache_id is None or (cache_id != id(owner) and cache_id >= 0):
         if torch.compiler.is_compiling():
             return -1

@@ -144,9 +144,14 @@ def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) 
     return norm, scales(magnitude, norm)
 
 
+def _switch_on(name: str) -> bool:
+    """An on/off environment switch, on by default; ``0``, ``false``, ``off`` or ``no`` turns it off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def cache_enabled() -> bool:
     """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
-    return os.environ.get("FLASHDORA_NORM_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch_on("FLASHDORA_NORM_CACHE")
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -187,7 +192,7 @@ class _Entries(dict):
 
 def graphs_enabled() -> bool:
     """``FLASHDORA_NORM_GRAPH`` (default on): replay each layer's norm computation as a CUDA graph."""
-    return os.environ.get("FLASHDORA_NORM_GRAPH", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch_on("FLASHDORA_NORM_GRAPH")
 
 
 _MAX_CAPTURES = 3  # per layer: storage that keeps moving (e.g. parameters gathered into new buffers) stops capturing
