@@ -15,8 +15,11 @@ import copy
 import functools
 import math
 import os
+import queue
 import sys
 import sysconfig
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -262,7 +265,7 @@ def _print_summary(result: dict, console) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--size", choices=sorted(demo.SIZES), default=None, help="model size (default: tiny on CPU, base on CUDA)"
+        "--size", choices=sorted(demo.SIZES), default=None, help="model size (default: tiny on CPU, wide on CUDA)"
     )
     parser.add_argument("--steps", type=int, default=50, help="training steps per seed (default 50)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds, each a fresh model and data order (default 1)")
@@ -272,6 +275,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seeds run are first-seed .. first-seed + seeds - 1 (default 0), so "
         "a long comparison can be split over several runs",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="seeds trained at once, each in its own process on the same device (default 1); a small model's step "
+        "is bound by the host, so 3 seeds take about the time of one",
     )
     parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
@@ -295,13 +305,13 @@ def _settings(args: argparse.Namespace) -> dict:
     """The run's settings with device-dependent defaults resolved."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    for name in ("steps", "seeds", "rank", "batch"):
+    for name in ("steps", "seeds", "jobs", "rank", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"flashdora parity: --{name} expected >= 1, got {getattr(args, name)}")
     if args.first_seed < 0:
         raise SystemExit(f"flashdora parity: --first-seed expected >= 0, got {args.first_seed}")
     return {
-        "size": args.size or ("base" if cuda else "tiny"),
+        "size": args.size or ("wide" if cuda else "tiny"),
         "steps": args.steps,
         "seeds": args.seeds,
         "first_seed": args.first_seed,
@@ -317,26 +327,68 @@ def _settings(args: argparse.Namespace) -> dict:
     }
 
 
-def _train_all(s: dict, corpus: torch.Tensor, console) -> list[dict[str, list[float]]]:
-    """The training comparison for every seed, under one progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+def _train_seed(s: dict, seed: int, progress) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """One seed's training comparison: its curves and the flashdora path counters it added.
 
-    curves = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("training", total=s["steps"] * s["seeds"])
-        for seed in range(s["first_seed"], s["first_seed"] + s["seeds"]):
-            model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
-            batches = [b.to(s["device"]) for b in sample_batches(corpus, s["steps"], s["batch"], s["seq"], seed)]
+    ``progress.put((seed, peft_loss, flash_loss))`` after each step (a queue in a worker process).
+    """
+    before = flashdora.stats()
+    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
+    batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
+    peft, flash = train_pair(
+        model, batches, s["lr"], s["dtype"] == "autocast", seed, lambda _, p, f: progress.put((seed, p, f))
+    )
+    after = flashdora.stats()
+    return {"seed": seed, "peft": peft, "flashdora": flash}, {k: v - before.get(k, 0) for k, v in after.items()}
 
-            def on_step(step, peft_loss, flash_loss, seed=seed):
-                desc = f"seed {seed}: loss {peft_loss:.4f} |delta| {abs(peft_loss - flash_loss):.1e}"
-                progress.update(task, advance=1, description=desc)
 
-            peft, flash = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, on_step)
-            curves.append({"seed": seed, "peft": peft, "flashdora": flash})
-            del model
-    return curves
+class _Progress:
+    """A rich progress bar over all steps; on a non-terminal console (logs, CI) a plain line every 10%."""
+
+    def __init__(self, console, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console, self.total, self.done, self.start = console, total, 0, time.perf_counter()
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        self.bar = Progress(*columns, console=console, transient=True)
+        self.task = self.bar.add_task("training", total=total)
+
+    def put(self, item: tuple[int, float, float]) -> None:
+        seed, peft_loss, flash_loss = item
+        self.done += 1
+        desc = f"seed {seed}: loss {peft_loss:.4f} |delta| {abs(peft_loss - flash_loss):.1e}"
+        self.bar.update(self.task, advance=1, description=desc)
+        if not self.console.is_terminal and self.done % max(1, self.total // 10) == 0:
+            elapsed = time.perf_counter() - self.start
+            self.console.print(f"training: {self.done}/{self.total} steps, {elapsed:.0f} s; {desc}")
+
+
+def _train_all(s: dict, console, jobs: int) -> tuple[list[dict[str, list[float]]], dict[str, int]]:
+    """The training comparison for every seed (``jobs`` seeds at a time, each in its own process), one progress bar.
+
+    Returns the curves in seed order and the path counters summed over seeds.
+    """
+    seeds = range(s["first_seed"], s["first_seed"] + s["seeds"])
+    progress = _Progress(console, s["steps"] * s["seeds"])
+    with progress.bar:
+        if jobs == 1:
+            results = [_train_seed(s, seed, progress) for seed in seeds]
+        else:  # seeds are independent and a small model's step is bound by the host: run them side by side
+            ctx = torch.multiprocessing.get_context("spawn")
+            with ctx.Manager() as manager, ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=ctx) as pool:
+                updates = manager.Queue()
+                futures = [pool.submit(_train_seed, s, seed, updates) for seed in seeds]
+                while not all(f.done() for f in futures) or not updates.empty():
+                    try:
+                        progress.put(updates.get(timeout=0.2))
+                    except queue.Empty:
+                        pass
+                results = [f.result() for f in futures]
+    counts: dict[str, int] = {}
+    for _, added in results:
+        for k, v in added.items():
+            counts[k] = counts.get(k, 0) + v
+    return [curve for curve, _ in results], counts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -359,8 +411,11 @@ def run(args: argparse.Namespace) -> int:
     flashdora.reset_stats()
     fidelity = logit_fidelity(model, eval_ids)
     del model
-    curves = _train_all(s, corpus, console)
-    counts = flashdora.stats()
+    curves, trained = _train_all(s, console, args.jobs)
+    counts = flashdora.stats()  # the logit check's, and the training's where it ran in this process
+    if args.jobs > 1:
+        for k, v in trained.items():
+            counts[k] = counts.get(k, 0) + v
     training = summarize_training(curves)
     result = make_record(vars(args), s, fidelity, training, curves, checks(fidelity, training, counts), counts, corpus)
     paths = record.write(result, args.out, render_markdown, render_png)
