@@ -31,7 +31,8 @@ def _compose_tile(
     b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
     offs_m, offs_n, mask_m, mask_n, scaling,
     stride_result, stride_lx_base, stride_y, stride_inner,
-    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
     """The compose of one [BLOCK_M, BLOCK_N] tile given its LoRA output ``b_lora``: loads the rest, stores y, inner."""
     mask = mask_m[:, None] & mask_n[None, :]  # [BLOCK_M, BLOCK_N]
@@ -39,20 +40,20 @@ def _compose_tile(
     acc = b_g.dtype
     b_result = tl.load(p_result + offs_m[:, None] * stride_result + offs_n[None, :], mask=mask, other=0.0)
     s_lora = b_lora.to(acc) * scaling  # [BLOCK_M, BLOCK_N]
+    b_gm1 = tl.load(p_gm1 + offs_n, mask=mask_n, other=0.0)
+    b_result = b_result.to(acc)
     if HAS_LX_BASE:
-        b_gm1 = tl.load(p_gm1 + offs_n, mask=mask_n, other=0.0)
-        b_lx_base = tl.load(p_lx_base + offs_m[:, None] * stride_lx_base + offs_n[None, :], mask=mask, other=0.0)
-        b_lx_base = b_lx_base.to(acc)
-        b_y = b_result.to(acc) + b_gm1[None, :] * b_lx_base + b_g[None, :] * s_lora
-        b_inner = b_lx_base + s_lora
+        b_base = tl.load(p_lx_base + offs_m[:, None] * stride_lx_base + offs_n[None, :], mask=mask, other=0.0)
+        b_base = b_base.to(acc)
+    elif HAS_BIAS:  # PEFT's base_result = result - bias, in their promoted dtype (ROUND_BASE: result's 16 bits)
+        b_bias = tl.load(p_bias + offs_n, mask=mask_n, other=0.0).to(acc)
+        b_base = b_result - b_bias[None, :]
+        if ROUND_BASE:
+            b_base = _to_out(b_base, p_y.dtype.element_ty, EMULATE_RNE).to(acc)
     else:
-        b_inner = b_result.to(acc) + s_lora
-        if HAS_BIAS:
-            b_bias = tl.load(p_bias + offs_n, mask=mask_n, other=0.0).to(acc)
-            b_inner = b_inner - b_bias[None, :]
-            b_y = b_g[None, :] * b_inner + b_bias[None, :]
-        else:
-            b_y = b_g[None, :] * b_inner
+        b_base = b_result
+    b_y = b_result + b_gm1[None, :] * b_base + b_g[None, :] * s_lora  # PEFT's form: result + (g - 1) base + g s lora
+    b_inner = b_base + s_lora
     p_out = p_y + offs_m[:, None] * stride_y + offs_n[None, :]
     tl.store(p_out, _to_out(b_y, p_y.dtype.element_ty, EMULATE_RNE), mask=mask)
     if SAVE_INNER:
@@ -66,8 +67,8 @@ def _compose_fwd_kernel(
     p_result, p_lora, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
     T, N, scaling,
     stride_result, stride_lora, stride_lx_base, stride_y, stride_inner,
-    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y (and inner); rows are tokens, columns are d_out."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -82,7 +83,7 @@ def _compose_fwd_kernel(
         b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
         offs_m, offs_n, mask_m, mask_n, scaling,
         stride_result, stride_lx_base, stride_y, stride_inner,
-        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, EMULATE_RNE,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
     )  # fmt: skip
 
 
@@ -92,8 +93,8 @@ def _compose_fused_fwd_kernel(
     p_result, p_a, p_lora_B, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
     T, N, R, scaling,
     stride_result, stride_a, stride_lora_B, stride_lx_base, stride_y, stride_inner,
-    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """``_compose_fwd_kernel`` with the LoRA output tile computed in place as ``a[rows] @ lora_B[cols]^T`` (K = r)."""
@@ -118,11 +119,12 @@ def _compose_fused_fwd_kernel(
             b_lora = tl.dot(b_a, b_b, b_lora, input_precision=DOT_PRECISION)
         p_ak += BLOCK_K
         p_bk += BLOCK_K
+    b_lora = _to_out(b_lora, p_a.dtype.element_ty, EMULATE_RNE)  # rounded like the unfused matmul's output
     _compose_tile(
         b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
         offs_m, offs_n, mask_m, mask_n, scaling,
         stride_result, stride_lx_base, stride_y, stride_inner,
-        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, EMULATE_RNE,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
     )  # fmt: skip
 
 
@@ -187,7 +189,12 @@ def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
     t = res2.shape[0]
     y = torch.empty((t, n), dtype=result.dtype, device=result.device)
     inner = torch.empty((t, n), dtype=result.dtype, device=result.device) if save_inner else y
-    flags = dict(HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, EMULATE_RNE=configs.INTERPRETED)
+    # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
+    round_base = has_bias and result.dtype != torch.float32 and bias.dtype == result.dtype
+    flags = dict(
+        HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, ROUND_BASE=round_base,
+        EMULATE_RNE=configs.INTERPRETED,
+    )  # fmt: skip
     return res2, lb2, bias_c, y, inner, flags
 
 
@@ -212,8 +219,9 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
     """``compose_fwd(result, a @ lora_B^T, ...)`` with the LoRA B matmul inside the kernel (never written out).
 
     ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]`` in any float dtype, rounded to ``a``'s
-    dtype in registers as the eager matmul's cast would (no cast pass). The LoRA tile stays in float32 (the
-    unfused path rounds it to ``a``'s dtype first).
+    dtype in registers as the eager matmul's cast would (no cast pass). The LoRA tile is rounded to ``a``'s dtype
+    before the compose, as PEFT's (and the eager path's) matmul output is: same values, so a flashdora model tracks
+    PEFT's under bf16 (docs/decisions.md).
     """
     r = a.shape[-1]
     res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)

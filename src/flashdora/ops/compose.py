@@ -19,21 +19,21 @@ from flashdora.ops.norm import dora_scales
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
-    """Eager twin of ``kernels.compose.compose_fwd``: ``(y, inner)`` in ``result.dtype``, fp32 math."""
+    """Eager twin of ``kernels.compose.compose_fwd``: ``(y, inner)`` in ``result.dtype``, fp32 math.
+
+    PEFT's form and rounding: ``y = result + (g - 1) base + g s lora`` with ``base = lx_base``, else
+    ``result - bias`` in the dtype torch promotes them to (bf16 for a bf16 layer under autocast), else ``result``.
+    """
     acc = g.dtype
-    if lx_base is None:
-        inner = result.to(acc, copy=True)
-        if bias is not None:
-            inner -= bias.to(acc)
-        inner.add_(lora.to(acc), alpha=scaling)
-        y = inner * g
-        if bias is not None:
-            y += bias.to(acc)
+    if lx_base is not None:
+        base = lx_base.to(acc)
+    elif bias is not None:
+        base = (result - bias).to(acc)
     else:
-        lb = lx_base.to(acc)
-        s_lora = lora.to(acc) * scaling
-        y = result.to(acc) + gm1 * lb + g * s_lora
-        inner = s_lora.add_(lb)
+        base = result.to(acc)
+    s_lora = lora.to(acc) * scaling
+    y = result.to(acc) + gm1 * base + g * s_lora
+    inner = s_lora.add_(base)
     return y.to(result.dtype), inner.to(result.dtype) if save_inner else None
 
 
@@ -80,22 +80,18 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     return y, a, inner, lx_c, a_c
 
 
-def _mm_grad(x, y, alpha, dtype):
-    """``alpha x @ y`` in ``dtype`` (a parameter's gradient), written in ``dtype`` by the GEMM on CUDA (no cast)."""
-    if x.is_cuda and dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16):
-        if alpha == 1.0:
-            return torch.mm(x, y, out_dtype=dtype)
-        return torch.addmm(x.new_empty((), dtype=dtype), x, y, beta=0, alpha=alpha, out_dtype=dtype)
-    out = torch.mm(x, y) if alpha == 1.0 else torch.addmm(x.new_empty(()), x, y, beta=0, alpha=alpha)
-    return out.to(dtype)
+def _mm(x, y, alpha):
+    """``alpha x @ y`` in the operands' dtype: a LoRA weight's gradient, rounded where PEFT's autocast matmul rounds
+    it (the caller casts it to the parameter's dtype). ``s`` rides on the GEMM's alpha, never on a separate pass."""
+    return torch.mm(x, y) if alpha == 1.0 else torch.addmm(x.new_empty(()), x, y, beta=0, alpha=alpha)
 
 
-def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs, grad_dtypes):
+def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
     """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
 
     ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
-    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any; ``d_A`` and ``d_B`` come in ``grad_dtypes`` (the
-    parameters' dtypes). ``s`` rides on the GEMMs' alpha, never on a separate pass.
+    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any; ``d_A`` and ``d_B`` come in the matmul dtype, as the
+    matmuls of PEFT's autocast path give them (``_finish_grads`` casts them to the parameters' dtypes).
     """
     cd = a.dtype
     out = [None] * 7
@@ -116,9 +112,9 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
             gdy_c = gdy.reshape(-1, gdy.shape[-1]).to(cd)  # [T, d_out]
             da = torch.addmm(gdy_c.new_empty(()), gdy_c, lora_B.to(cd), beta=0, alpha=scaling)  # s gdy B: [T, r]
             if needs[5]:
-                out[5] = _mm_grad(gdy_c.T, a.reshape(-1, a.shape[-1]), scaling, grad_dtypes[1])
+                out[5] = _mm(gdy_c.T, a.reshape(-1, a.shape[-1]), scaling)
             if needs[4]:
-                out[4] = _mm_grad(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0, grad_dtypes[0])
+                out[4] = _mm(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0)
             if needs[1]:
                 out[1] = (da @ lora_A).reshape(lx_c.shape)
         if needs[6]:
@@ -152,7 +148,7 @@ class ComposeFunction(torch.autograd.Function):
         lx_c, a, inner, a_c, b_c, scales = ctx.saved_tensors
         scaling, has_lx_base, has_bias, dtypes = ctx.meta
         needs = list(ctx.needs_input_grad[:7])
-        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs, dtypes[4:6])
+        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs)
         return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
 
 
@@ -207,7 +203,9 @@ def compose_bwd_op(
     Absence is passed as flags, never read from sizes: with zero tokens every tensor is empty but still present.
     """
     grads = _bwd(dy, lx_c, a, inner if has_inner else None, lora_A.to(a.dtype), lora_B, scales, scaling,
-                 has_lx_base, has_bias, needs, (lora_A.dtype, lora_B.dtype))  # fmt: skip
+                 has_lx_base, has_bias, needs)  # fmt: skip
+    grads[4] = None if grads[4] is None else grads[4].to(lora_A.dtype)  # the fake's dtypes: the parameters'
+    grads[5] = None if grads[5] is None else grads[5].to(lora_B.dtype)
     return [_empty(dy) if g is None else g for g in grads]
 
 

@@ -214,7 +214,8 @@ def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B
         return both[0], both[1:]
     fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True)
     captures = cache.get("graph_captures", 0)
-    if captures < _MAX_CAPTURES and graphs_enabled() and not torch.cuda.is_current_stream_capturing():
+    graphable = weight.is_cuda and graphs_enabled()  # the Triton path also runs on CPU tensors, interpreted
+    if graphable and captures < _MAX_CAPTURES and not torch.cuda.is_current_stream_capturing():
         cache["graph_captures"] = captures + 1
         cache.pop("graph", None)
         from flashdora.kernels.norm import NormGraph
