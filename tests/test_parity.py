@@ -1,6 +1,7 @@
 """``flashdora parity`` on a tiny CPU model: numbers within the bars, and the checker fails a broken model."""
 
 import argparse
+import copy
 import json
 
 import pytest
@@ -146,3 +147,21 @@ def test_jobs_run_seeds_in_processes_with_the_same_curves(tmp_path):
     assert two["path_counts"]["eager"] > 0
     with pytest.raises(SystemExit, match="--jobs expected >= 1"):
         main(["parity", *_argv(tmp_path), "--jobs", "0"])
+
+
+def test_floor_trains_peft_against_itself_one_ulp_off(tmp_path):
+    model = _model()
+    nudged = copy.deepcopy(model)
+    parity.nudge_magnitudes(nudged)
+    for (name, p), q in zip(model.named_parameters(), nudged.parameters(), strict=True):
+        if "lora_magnitude_vector" in name:
+            assert (q > p).all() and torch.equal(torch.nextafter(q, torch.zeros_like(q)), p)
+        else:
+            assert torch.equal(p, q)
+    assert main(["parity", *_argv(tmp_path), "--floor", "--tag", "floor"]) == 0
+    (path,) = tmp_path.glob("*_cpu_parity-floor.json")
+    record = json.loads(path.read_text())
+    (curve,) = record["curves"]
+    assert len(curve["peft_floor"]) == len(curve["peft"]) == 3 and record["settings"]["floor"] is True
+    assert 0 <= record["training"]["floor_mean_abs_delta"] <= record["training"]["floor_max_abs_delta"]
+    assert "Noise floor" in path.with_suffix(".md").read_text()

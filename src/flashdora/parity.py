@@ -119,16 +119,28 @@ def _step(model, opt, batch: torch.Tensor, seed: int, autocast: bool) -> float:
     return loss.item()
 
 
-def train_pair(peft_model, batches, lr: float, autocast: bool, seed: int = 0, on_step=None):
+def nudge_magnitudes(model: torch.nn.Module) -> None:
+    """Move every DoRA magnitude up by one float32 ulp: the smallest change a float32 weight can take."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+
+def train_pair(peft_model, batches, lr: float, autocast: bool, seed: int = 0, on_step=None, floor: bool = False):
     """Train ``peft_model`` with PEFT DoRA and a copy with flashdora in lockstep (same batches, masks, AdamW).
 
-    Returns ``(peft_losses, flash_losses)``; ``on_step(step, peft_loss, flash_loss)`` is called after each step.
+    Returns ``(peft_losses, flash_losses)``, and with ``floor`` a third curve: PEFT DoRA again on a copy whose
+    magnitudes are one float32 ulp off (``nudge_magnitudes``), the |delta loss| any other implementation, however
+    exact, can be expected to reach. ``on_step(step, peft_loss, flash_loss)`` is called after each step.
     """
     flash_model = flashdora.enable(copy.deepcopy(peft_model))
-    runs = []
-    for model in (flashdora.disable(peft_model), flash_model):
-        runs.append((model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)))
-    losses = ([], [])
+    models = [flashdora.disable(peft_model), flash_model]
+    if floor:
+        models.append(flashdora.disable(copy.deepcopy(peft_model)))
+        nudge_magnitudes(models[-1])
+    runs = [(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)) for m in models]
+    losses = tuple([] for _ in runs)
     for step, batch in enumerate(batches):
         for (model, opt), out in zip(runs, losses, strict=True):
             out.append(_step(model, opt, batch, seed * 1_000_003 + step, autocast))
@@ -137,15 +149,24 @@ def train_pair(peft_model, batches, lr: float, autocast: bool, seed: int = 0, on
     return losses
 
 
+def _abs_deltas(curves: list[dict[str, list[float]]], other: str) -> list[float]:
+    return [abs(a - b) for c in curves for a, b in zip(c["peft"], c[other], strict=True)]
+
+
 def summarize_training(curves: list[dict[str, list[float]]]) -> dict[str, float | bool]:
-    """Mean and max per-step |loss delta| over all seeds' ``{"peft": [...], "flashdora": [...]}`` curves."""
-    deltas = [abs(a - b) for c in curves for a, b in zip(c["peft"], c["flashdora"], strict=True)]
+    """Mean and max per-step |loss delta| over all seeds' ``{"peft": [...], "flashdora": [...]}`` curves; with a
+    ``"peft_floor"`` curve (``--floor``), the same for PEFT vs PEFT one ulp off (``floor_mean_abs_delta``, ...)."""
+    deltas = _abs_deltas(curves, "flashdora")
     finite = all(math.isfinite(v) for c in curves for v in c["peft"] + c["flashdora"])
-    return {
+    out = {
         "mean_abs_delta": sum(deltas) / len(deltas) if finite else math.inf,
         "max_abs_delta": max(deltas) if finite else math.inf,
         "finite": finite,
     }
+    if curves and all("peft_floor" in c for c in curves):
+        floor = _abs_deltas(curves, "peft_floor")
+        out["floor_mean_abs_delta"], out["floor_max_abs_delta"] = sum(floor) / len(floor), max(floor)
+    return out
 
 
 def _check(name: str, value: float, op: str, bar: float) -> dict:
@@ -222,6 +243,13 @@ def render_markdown(result: dict) -> str:
         "",
         record.table(["check", "value", "bar", ""], _check_rows(result)),
     ]
+    t = result["training"]
+    lines += ["", f"Training |delta loss| vs PEFT DoRA: mean {t['mean_abs_delta']:.3e}, max {t['max_abs_delta']:.3e}."]
+    if "floor_mean_abs_delta" in t:
+        lines[-1] += (
+            f" Noise floor (PEFT DoRA vs PEFT DoRA with every magnitude one float32 ulp off, same run): mean "
+            f"{t['floor_mean_abs_delta']:.3e}, max {t['floor_max_abs_delta']:.3e}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +262,10 @@ def render_png(result: dict, path: Path) -> None:
         top.plot(c["peft"], lw=1.2, label=f"PEFT DoRA, seed {c['seed']}")
         top.plot(c["flashdora"], lw=1.0, ls="--", label=f"flashdora, seed {c['seed']}")
         deltas = [max(abs(a - b), 1e-12) for a, b in zip(c["peft"], c["flashdora"], strict=True)]
-        bottom.semilogy(deltas, lw=0.8, label=f"seed {c['seed']}")
+        bottom.semilogy(deltas, lw=0.8, label=f"flashdora vs PEFT, seed {c['seed']}")
+        if "peft_floor" in c:
+            floor = [max(abs(a - b), 1e-12) for a, b in zip(c["peft"], c["peft_floor"], strict=True)]
+            bottom.semilogy(floor, lw=0.8, alpha=0.7, label=f"PEFT vs PEFT 1 ulp off (floor), seed {c['seed']}")
     bottom.axhline(LOSS_BAR, color="red", ls=":", label=f"bar on the mean ({LOSS_BAR:g})")
     s = result["settings"]
     top.set(
@@ -258,7 +289,9 @@ def _print_summary(result: dict, console) -> None:
     console.print(table)
     t = result["training"]
     console.print(
-        f"max |delta loss| {t['max_abs_delta']:.2e}, mean {t['mean_abs_delta']:.2e}; "
+        f"max |delta loss| {t['max_abs_delta']:.2e}, mean {t['mean_abs_delta']:.2e}"
+        + (f" (noise floor: mean {t['floor_mean_abs_delta']:.2e})" if "floor_mean_abs_delta" in t else "")
+        + "; "
         f"flashdora path counters: {dict(sorted(result['path_counts'].items()))}"
     )
 
@@ -282,6 +315,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="seeds trained at once, each in its own process on the same device (default 1); a small model's step "
         "is bound by the host, so 3 seeds take about the time of one",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
+        "chaotic training reaches between two runs of the same model (takes half as long again)",
     )
     parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
@@ -315,6 +354,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "seeds": args.seeds,
         "first_seed": args.first_seed,
+        "floor": args.floor,
         "rank": args.rank,
         "dropout": args.dropout,
         "seq": args.seq or (512 if cuda else 64),
@@ -335,11 +375,11 @@ def _train_seed(s: dict, seed: int, progress) -> tuple[dict[str, list[float]], d
     before = flashdora.stats()
     model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
     batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
-    peft, flash = train_pair(
-        model, batches, s["lr"], s["dtype"] == "autocast", seed, lambda _, p, f: progress.put((seed, p, f))
-    )
+    report = lambda _, p, f: progress.put((seed, p, f))  # noqa: E731
+    losses = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, report, floor=s["floor"])
     after = flashdora.stats()
-    return {"seed": seed, "peft": peft, "flashdora": flash}, {k: v - before.get(k, 0) for k, v in after.items()}
+    curve = dict(zip(("peft", "flashdora", "peft_floor"), losses))
+    return {"seed": seed, **curve}, {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 class _Progress:
