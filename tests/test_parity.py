@@ -134,21 +134,6 @@ def test_first_seed_splits_a_long_comparison(tmp_path):
         main(["parity", *_argv(tmp_path), "--first-seed", "-1"])
 
 
-def test_jobs_run_seeds_in_processes_with_the_same_curves(tmp_path):
-    """``--jobs 2`` trains the seeds in worker processes: the same curves and path counts as in this process."""
-    records = []
-    for jobs in ("1", "2"):
-        assert main(["parity", *_argv(tmp_path), "--seeds", "2", "--steps", "2", "--jobs", jobs, "--tag", jobs]) == 0
-        (path,) = tmp_path.glob(f"*_cpu_parity-{jobs}.json")
-        records.append(json.loads(path.read_text()))
-    one, two = records
-    assert [c["seed"] for c in two["curves"]] == [0, 1]
-    assert one["curves"] == two["curves"] and one["path_counts"] == two["path_counts"]
-    assert two["path_counts"]["eager"] > 0
-    with pytest.raises(SystemExit, match="--jobs expected >= 1"):
-        main(["parity", *_argv(tmp_path), "--jobs", "0"])
-
-
 def test_floor_trains_peft_against_itself_one_ulp_off(tmp_path):
     model = _model()
     nudged = copy.deepcopy(model)

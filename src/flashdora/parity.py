@@ -15,11 +15,9 @@ import copy
 import functools
 import math
 import os
-import queue
 import sys
 import sysconfig
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,11 +25,11 @@ import torch
 import flashdora
 from flashdora import demo
 from flashdora.bench import record
+from flashdora.parity_render import LOSS_BAR, print_summary, render_markdown, render_png
 
 MODES = ("fp32", "autocast")
 COSINE_BAR = {"fp32": 0.99999, "autocast": 0.9999}  # flashdora vs PEFT logits (issue 5)
 F64_FACTOR, F64_SLACK = 1.5, 1e-6  # flashdora's error vs float64 <= PEFT's * F64_FACTOR + F64_SLACK
-LOSS_BAR = 1e-3  # mean per-step |loss delta| (issue 5: 2000 steps x 3 seeds, bf16 autocast, r = 384)
 MAGNITUDE_SPREAD = 0.05  # relative spread put on m before the logit check (see spread_magnitudes)
 
 
@@ -217,85 +215,6 @@ def make_record(args: dict, settings, fidelity, training, curves, check_list, co
     }
 
 
-def _fmt(value: float) -> str:
-    """Integers as they are, cosines with 8 decimals (the bars are 1 - 1e-5 and 1 - 1e-4), others as 1.234e-05."""
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.8f}" if 0.9 < value <= 1.0 else f"{value:.3e}"
-
-
-def _check_rows(result: dict) -> list[list[str]]:
-    return [
-        [c["name"], _fmt(c["value"]), f"{c['op']} {_fmt(c['bar'])}", "pass" if c["passed"] else "FAIL"]
-        for c in result["checks"]
-    ]
-
-
-def render_markdown(result: dict) -> str:
-    """The checks table, from a result JSON."""
-    s, json_name = result["settings"], f"{record.stem(result)}.json"
-    lines = [
-        record.header(result, "flashdora parity"),
-        "",
-        f"Llama-style `{s['size']}`, DoRA r={s['rank']}, dropout {s['dropout']}, {s['steps']} steps x {s['seeds']} "
-        f"seed(s) of {s['batch']}x{s['seq']} byte tokens, {s['dtype']}, lr {s['lr']}. "
-        f"Generated from [{json_name}]({json_name}).",
-        "",
-        record.table(["check", "value", "bar", ""], _check_rows(result)),
-    ]
-    t = result["training"]
-    lines += ["", f"Training |delta loss| vs PEFT DoRA: mean {t['mean_abs_delta']:.3e}, max {t['max_abs_delta']:.3e}."]
-    if "floor_mean_abs_delta" in t:
-        lines[-1] += (
-            f" Noise floor (PEFT DoRA vs PEFT DoRA with every magnitude one float32 ulp off, same run): mean "
-            f"{t['floor_mean_abs_delta']:.3e}, max {t['floor_max_abs_delta']:.3e}."
-        )
-    return "\n".join(lines) + "\n"
-
-
-def render_png(result: dict, path: Path) -> None:
-    """Both training curves per seed (top) and their per-step |loss delta| (bottom)."""
-    fig, axes = record.figure(2, 1, (9, 7))
-    top, bottom = axes[0][0], axes[1][0]
-    bottom.sharex(top)
-    for c in result["curves"]:
-        top.plot(c["peft"], lw=1.2, label=f"PEFT DoRA, seed {c['seed']}")
-        top.plot(c["flashdora"], lw=1.0, ls="--", label=f"flashdora, seed {c['seed']}")
-        deltas = [max(abs(a - b), 1e-12) for a, b in zip(c["peft"], c["flashdora"], strict=True)]
-        bottom.semilogy(deltas, lw=0.8, label=f"flashdora vs PEFT, seed {c['seed']}")
-        if "peft_floor" in c:
-            floor = [max(abs(a - b), 1e-12) for a, b in zip(c["peft"], c["peft_floor"], strict=True)]
-            bottom.semilogy(floor, lw=0.8, alpha=0.7, label=f"PEFT vs PEFT 1 ulp off (floor), seed {c['seed']}")
-    bottom.axhline(LOSS_BAR, color="red", ls=":", label=f"bar on the mean ({LOSS_BAR:g})")
-    s = result["settings"]
-    top.set(
-        ylabel="training loss",
-        title=f"PEFT DoRA vs flashdora: {s['size']}, r={s['rank']}, {s['dtype']}, {result['device']['name']}",
-    )
-    bottom.set(xlabel="step", ylabel="|delta loss|")
-    top.legend(fontsize=7, ncol=2)
-    bottom.legend(fontsize=7)
-    record.save(fig, path)
-
-
-def _print_summary(result: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title="flashdora parity (vs PEFT DoRA, same weights, inputs, seeds and dropout masks)")
-    for col in ("check", "value", "bar", ""):
-        table.add_column(col, justify="left" if col == "check" else "right")
-    for name, value, bar, verdict in _check_rows(result):
-        table.add_row(name, value, bar, f"[green]{verdict}" if verdict == "pass" else f"[red]{verdict}")
-    console.print(table)
-    t = result["training"]
-    console.print(
-        f"max |delta loss| {t['max_abs_delta']:.2e}, mean {t['mean_abs_delta']:.2e}"
-        + (f" (noise floor: mean {t['floor_mean_abs_delta']:.2e})" if "floor_mean_abs_delta" in t else "")
-        + "; "
-        f"flashdora path counters: {dict(sorted(result['path_counts'].items()))}"
-    )
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--size", choices=sorted(demo.SIZES), default=None, help="model size (default: tiny on CPU, wide on CUDA)"
@@ -308,13 +227,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seeds run are first-seed .. first-seed + seeds - 1 (default 0), so "
         "a long comparison can be split over several runs",
-    )
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="seeds trained at once, each in its own process on the same device (default 1); a small model's step "
-        "is bound by the host, so 3 seeds take about the time of one",
     )
     parser.add_argument(
         "--floor",
@@ -344,7 +256,7 @@ def _settings(args: argparse.Namespace) -> dict:
     """The run's settings with device-dependent defaults resolved."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    for name in ("steps", "seeds", "jobs", "rank", "batch"):
+    for name in ("steps", "seeds", "rank", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"flashdora parity: --{name} expected >= 1, got {getattr(args, name)}")
     if args.first_seed < 0:
@@ -367,19 +279,16 @@ def _settings(args: argparse.Namespace) -> dict:
     }
 
 
-def _train_seed(s: dict, seed: int, progress) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """One seed's training comparison: its curves and the flashdora path counters it added.
+def _train_seed(s: dict, seed: int, progress) -> dict[str, list[float]]:
+    """One seed's training comparison: ``{"seed", "peft", "flashdora"[, "peft_floor"]}`` loss curves.
 
-    ``progress.put((seed, peft_loss, flash_loss))`` after each step (a queue in a worker process).
+    ``progress.put((seed, peft_loss, flash_loss))`` after each step.
     """
-    before = flashdora.stats()
     model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
     batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
     report = lambda _, p, f: progress.put((seed, p, f))  # noqa: E731
     losses = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, report, floor=s["floor"])
-    after = flashdora.stats()
-    curve = dict(zip(("peft", "flashdora", "peft_floor"), losses))
-    return {"seed": seed, **curve}, {k: v - before.get(k, 0) for k, v in after.items()}
+    return {"seed": seed, **dict(zip(("peft", "flashdora", "peft_floor"), losses))}
 
 
 class _Progress:
@@ -403,32 +312,12 @@ class _Progress:
             self.console.print(f"training: {self.done}/{self.total} steps, {elapsed:.0f} s; {desc}")
 
 
-def _train_all(s: dict, console, jobs: int) -> tuple[list[dict[str, list[float]]], dict[str, int]]:
-    """The training comparison for every seed (``jobs`` seeds at a time, each in its own process), one progress bar.
-
-    Returns the curves in seed order and the path counters summed over seeds.
-    """
+def _train_all(s: dict, console) -> list[dict[str, list[float]]]:
+    """The training comparison for every seed, in order, under one progress bar."""
     seeds = range(s["first_seed"], s["first_seed"] + s["seeds"])
     progress = _Progress(console, s["steps"] * s["seeds"])
     with progress.bar:
-        if jobs == 1:
-            results = [_train_seed(s, seed, progress) for seed in seeds]
-        else:  # seeds are independent and a small model's step is bound by the host: run them side by side
-            ctx = torch.multiprocessing.get_context("spawn")
-            with ctx.Manager() as manager, ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=ctx) as pool:
-                updates = manager.Queue()
-                futures = [pool.submit(_train_seed, s, seed, updates) for seed in seeds]
-                while not all(f.done() for f in futures) or not updates.empty():
-                    try:
-                        progress.put(updates.get(timeout=0.2))
-                    except queue.Empty:
-                        pass
-                results = [f.result() for f in futures]
-    counts: dict[str, int] = {}
-    for _, added in results:
-        for k, v in added.items():
-            counts[k] = counts.get(k, 0) + v
-    return [curve for curve, _ in results], counts
+        return [_train_seed(s, seed, progress) for seed in seeds]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -451,15 +340,12 @@ def run(args: argparse.Namespace) -> int:
     flashdora.reset_stats()
     fidelity = logit_fidelity(model, eval_ids)
     del model
-    curves, trained = _train_all(s, console, args.jobs)
-    counts = flashdora.stats()  # the logit check's, and the training's where it ran in this process
-    if args.jobs > 1:
-        for k, v in trained.items():
-            counts[k] = counts.get(k, 0) + v
+    curves = _train_all(s, console)
+    counts = flashdora.stats()
     training = summarize_training(curves)
     result = make_record(vars(args), s, fidelity, training, curves, checks(fidelity, training, counts), counts, corpus)
     paths = record.write(result, args.out, render_markdown, render_png)
-    _print_summary(result, console)
+    print_summary(result, console)
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if result["passed"] or args.no_check else 1
 
