@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import warnings
 from collections import Counter
@@ -16,17 +18,28 @@ _warned: set[str] = set()
 
 def requested_backend() -> str:
     """The backend named by ``FLASHDORA_BACKEND`` (default ``auto``); read on every call so tests can switch it."""
-    value = os.environ.get("FLASHDORA_BACKEND", "auto").strip().lower() or "auto"
+    return _parse_backend(os.environ.get("FLASHDORA_BACKEND"))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_backend(raw: str | None) -> str:
+    value = (raw or "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"FLASHDORA_BACKEND expected one of {', '.join(BACKENDS)}, got {value!r}")
     return value
 
 
+_HAS_TRITON: bool | None = None
+
+
 def triton_available() -> bool:
     """True when ``flashdora.kernels`` can launch Triton kernels (a GPU, or the CPU interpreter)."""
-    from flashdora import kernels
+    global _HAS_TRITON
+    if _HAS_TRITON is None:
+        from flashdora import kernels
 
-    return kernels.HAS_TRITON
+        _HAS_TRITON = kernels.HAS_TRITON
+    return _HAS_TRITON
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -35,27 +48,36 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     ``auto``: Triton for CUDA tensors when Triton imports, eager otherwise (and for float64 tensors, which the
     float32 kernels would not keep exact). ``triton``: Triton whenever it can run (CUDA tensors, or CPU tensors
     under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error, never a silent switch.
-    ``eager``: never.
+    ``eager``: never. Called several times per layer call, so the common case is a few attribute reads.
     """
-    backend = requested_backend()
+    backend = _parse_backend(os.environ.get("FLASHDORA_BACKEND"))
     if backend == "eager":
         return False
-    if any(t.dtype == torch.float64 for t in tensors):  # the kernels compute in float32: references stay exact
-        if backend == "triton":
-            raise RuntimeError("FLASHDORA_BACKEND=triton: the Triton kernels compute in float32; float64 runs eager")
-        return False
-    on_cuda = all(t.is_cuda for t in tensors)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
     if backend == "auto":
-        return on_cuda and triton_available()
+        for t in tensors:
+            if not t.is_cuda or t.dtype == torch.float64:
+                return False
+        return triton_available()
+    if any(t.dtype == torch.float64 for t in tensors):  # the kernels compute in float32: references stay exact
+        raise RuntimeError("FLASHDORA_BACKEND=triton: the Triton kernels compute in float32; float64 runs eager")
     if not triton_available():
         raise RuntimeError("FLASHDORA_BACKEND=triton, but triton is not importable; install triton or use eager")
+    on_cuda = all(t.is_cuda for t in tensors)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
     if not (on_cuda or interpreted):
         devices = sorted({str(t.device) for t in tensors})
         raise RuntimeError(
             f"FLASHDORA_BACKEND=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got devices {devices}"
         )
     return True
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off on ``device_type`` for math whose dtypes are explicit; a no-op context where it is
+    off already (entering ``torch.autocast`` costs more than a small torch op)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def count(path: str, n: int = 1) -> None:

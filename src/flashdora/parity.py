@@ -118,7 +118,7 @@ def _step(model, opt, batch: torch.Tensor, seed: int, autocast: bool) -> float:
 
 
 def nudge_magnitudes(model: torch.nn.Module) -> None:
-    """Move every DoRA magnitude up by one float32 ulp: the smallest change a float32 weight can take."""
+    """Move every DoRA magnitude up by one ulp of its dtype (float32 for PEFT's adapters): the smallest change."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_magnitude_vector" in name:
@@ -163,7 +163,9 @@ def summarize_training(curves: list[dict[str, list[float]]]) -> dict[str, float 
     }
     if curves and all("peft_floor" in c for c in curves):
         floor = _abs_deltas(curves, "peft_floor")
-        out["floor_mean_abs_delta"], out["floor_max_abs_delta"] = sum(floor) / len(floor), max(floor)
+        finite = all(math.isfinite(v) for v in floor)
+        out["floor_mean_abs_delta"] = sum(floor) / len(floor) if finite else math.inf
+        out["floor_max_abs_delta"] = max(floor) if finite else math.inf
     return out
 
 
@@ -198,7 +200,7 @@ def make_record(args: dict, settings, fidelity, training, curves, check_list, co
     """The run as one JSON-able dict: ``record.new_result``'s header, then parity's sections."""
     protocol = {
         "judge": "the same PEFT model in float64",
-        "dropout_masks": "shared (one seed per step, both runs)",
+        "dropout_masks": "shared (one seed per step, every run)",
         "magnitude_spread": MAGNITUDE_SPREAD,
     }
     result = record.new_result("parity", settings["device"], protocol, args)

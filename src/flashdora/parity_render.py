@@ -25,7 +25,7 @@ def _check_rows(result: dict) -> list[list[str]]:
 
 def render_markdown(result: dict) -> str:
     """The checks table, from a result JSON."""
-    s, json_name = result["settings"], f"{record.stem(result)}.json"
+    s, json_name = result["settings"], result.get("json_name") or f"{record.stem(result)}.json"
     lines = [
         record.header(result, "flashdora parity"),
         "",

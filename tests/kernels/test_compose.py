@@ -108,12 +108,15 @@ def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisone
     g, gm1 = _scales(d_out, device)
     inv = 0.5 + torch.rand(d_out, device=device)  # 1 / norm
     scales = torch.stack([g, gm1, inv])
-    out_gdy, out_dlb, out_dg = _kernels().compose_bwd(dy, inner, scales, has_lx_base)
+    gdy_scale = 1.5 if has_lx_base else 1.0  # with lx_base, _bwd asks for PEFT's (dy s) g
+    out_gdy, out_dlb, out_dg = _kernels().compose_bwd(dy, inner, scales, has_lx_base, gdy_scale)
     assert out_gdy.shape == dy.shape and out_gdy.dtype == dtype
     assert (out_dlb is not None) == has_lx_base and (out_dg is not None) == has_inner
     d64 = dy.double()
     if dy.numel() > 0:
-        assert_close(out_gdy, g.double() * d64, RTOL[dtype], "g dy")
+        assert_close(out_gdy, gdy_scale * g.double() * d64, RTOL[dtype], "(dy s) g")
+        eager_gdy = compose_bwd_eager(dy, inner, scales, has_lx_base, gdy_scale)[0]
+        assert_close(out_gdy, eager_gdy.double(), RTOL[dtype], "(dy s) g vs eager")
         if has_lx_base:
             assert out_dlb.dtype == dtype
             assert_close(out_dlb, gm1.double() * d64, RTOL[dtype], "(g - 1) dy")

@@ -144,6 +144,7 @@ def write(
 def render(json_path: Path, render_md: Callable[[dict], str], render_png) -> dict[str, Path]:
     """(Re)generate the Markdown and PNG next to a result JSON."""
     result = json.loads(Path(json_path).read_text())
+    result["json_name"] = Path(json_path).name  # what the Markdown links to, even after a rename
     md_path = json_path.with_suffix(".md")
     md_path.write_text(render_md(result))
     paths = {"md": md_path}

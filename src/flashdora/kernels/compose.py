@@ -132,12 +132,12 @@ def _compose_fused_fwd_kernel(
 @triton.jit(do_not_specialize=["T", "rows_per_prog"])
 def _compose_bwd_kernel(
     p_dy, p_inner, p_g, p_gm1, p_inv, p_gdy, p_d_lx_base, p_dg_part,
-    T, N, rows_per_prog,
+    T, N, rows_per_prog, gdy_scale,
     stride_dy, stride_inner, stride_gdy, stride_d_lx_base,
     HAS_INNER: tl.constexpr, HAS_LX_BASE: tl.constexpr, EMULATE_RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """g dy and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of
+    """(dy gdy_scale) g and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of
     dy * inner / norm (the magnitude gradient's share)."""
     pid_s = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -153,7 +153,7 @@ def _compose_bwd_kernel(
         offs_m = row_start + start + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
         mask = (offs_m < row_end)[:, None] & mask_n[None, :]  # [BLOCK_M, BLOCK_N]
         b_dy = tl.load(p_dy + offs_m[:, None] * stride_dy + offs_n[None, :], mask=mask, other=0.0).to(acc)
-        b_gdy = b_g[None, :] * b_dy
+        b_gdy = (b_dy * gdy_scale) * b_g[None, :]  # PEFT's order: the grad of (g lora) s
         p_out = p_gdy + offs_m[:, None] * stride_gdy + offs_n[None, :]
         tl.store(p_out, _to_out(b_gdy, p_gdy.dtype.element_ty, EMULATE_RNE), mask=mask)
         if HAS_LX_BASE:
@@ -190,7 +190,7 @@ def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
     y = torch.empty((t, n), dtype=result.dtype, device=result.device)
     inner = torch.empty((t, n), dtype=result.dtype, device=result.device) if save_inner else y
     # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
-    round_base = has_bias and result.dtype != torch.float32 and bias.dtype == result.dtype
+    round_base = has_bias and result.dtype in (torch.float16, torch.bfloat16) and bias.dtype == result.dtype
     flags = dict(
         HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, ROUND_BASE=round_base,
         EMULATE_RNE=configs.INTERPRETED,
@@ -242,8 +242,8 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
     return y.view(result.shape), inner.view(result.shape) if save_inner else None
 
 
-def compose_bwd(dy, inner, scales, has_lx_base):
-    """Triton ``compose_bwd_eager``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner / norm or None)``.
+def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
+    """Triton ``compose_bwd_eager``: ``((dy gdy_scale) g, (g - 1) dy or None, sum_tokens dy * inner / norm or None)``.
 
     ``scales``: ``[3, d_out]`` rows ``(g, g - 1, 1 / norm)``. The magnitude gradient is deterministic: each program
     writes its own token range's partial sum to a ``[n_splits, d_out]`` buffer, and ``torch.sum`` adds the rows in
@@ -263,7 +263,7 @@ def compose_bwd(dy, inner, scales, has_lx_base):
         grid = lambda meta: (n_split, triton.cdiv(n, meta["BLOCK_N"]))
         args = (
             dy2, inner2, g, gm1, inv, gdy, d_lx_base, dg_part,
-            t, n, rows_per_prog,
+            t, n, rows_per_prog, float(gdy_scale),
             dy2.stride(0), inner2.stride(0), gdy.stride(0), d_lx_base.stride(0),
         )  # fmt: skip
         flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)

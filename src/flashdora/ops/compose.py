@@ -37,11 +37,12 @@ def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, sa
     return y.to(result.dtype), inner.to(result.dtype) if save_inner else None
 
 
-def compose_bwd_eager(dy, inner, scales, has_lx_base):
-    """Eager twin of ``kernels.compose.compose_bwd``: ``(g dy, (g - 1) dy or None, sum_tokens dy * inner / norm)``."""
+def compose_bwd_eager(dy, inner, scales, has_lx_base, gdy_scale=1.0):
+    """Eager twin of ``kernels.compose.compose_bwd``: ``((dy gdy_scale) g, (g - 1) dy or None,
+    sum_tokens dy * inner / norm)``."""
     g, gm1, inv = scales
     d32 = dy.to(g.dtype)
-    gdy = (d32 * g).to(dy.dtype)
+    gdy = ((d32 * gdy_scale if gdy_scale != 1.0 else d32) * g).to(dy.dtype)
     d_lx_base = (d32 * gm1).to(dy.dtype) if has_lx_base else None
     dg = None if inner is None else (d32 * inner.to(g.dtype)).reshape(-1, dy.shape[-1]).sum(0) * inv
     return gdy, d_lx_base, dg
@@ -64,19 +65,20 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     ``lora_A`` in the matmul dtype (backward reuses them instead of casting again)."""
     triton = backend.use_triton(result)
     backend.count("triton" if triton else "eager")
-    with torch.autocast(result.device.type, enabled=False):
-        lx_c, a_c = lx.to(compute_dtype), lora_A.to(compute_dtype)
-        a = F.linear(lx_c, a_c)  # [..., r]
-        if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
-            from flashdora.kernels.compose import compose_fwd_fused
+    # No autocast context: every matmul operand is cast to ``compute_dtype`` here, which is the autocast dtype
+    # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
+    lx_c, a_c = lx.to(compute_dtype), lora_A.to(compute_dtype)
+    a = F.linear(lx_c, a_c)  # [..., r]
+    if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
+        from flashdora.kernels.compose import compose_fwd_fused
 
-            y, inner = compose_fwd_fused(
-                result, a, lora_B, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner
-            )
-        else:
-            lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
-            g, gm1 = scales[0], scales[1]
-            y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+        y, inner = compose_fwd_fused(
+            result, a, lora_B, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner
+        )
+    else:
+        lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
+        g, gm1 = scales[0], scales[1]
+        y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     return y, a, inner, lx_c, a_c
 
 
@@ -95,13 +97,17 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
     """
     cd = a.dtype
     out = [None] * 7
-    with torch.autocast(dy.device.type, enabled=False):
+    with backend.autocast_off(dy.device.type):  # on CUDA the backward runs with autocast off already
+        # PEFT rounds the LoRA branch's gradient as (dy s) g. With lx_base, g dy feeds only the LoRA GEMMs: round it
+        # that way and run them with alpha 1. Without, it is also d_result: keep g dy, put s on the GEMMs' alpha
+        # (the same bits when s is a power of two; one rounding apart otherwise, docs/decisions.md).
+        lora_scale, alpha = (scaling, 1.0) if has_lx_base else (1.0, scaling)
         if backend.use_triton(dy):
             from flashdora.kernels.compose import compose_bwd
 
-            gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base)
+            gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
         else:
-            gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base)
+            gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base, lora_scale)
         if needs[0] and not has_lx_base:
             out[0] = gdy
         if needs[2] and has_lx_base:
@@ -110,9 +116,9 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
             out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
         if needs[1] or needs[4] or needs[5]:
             gdy_c = gdy.reshape(-1, gdy.shape[-1]).to(cd)  # [T, d_out]
-            da = torch.addmm(gdy_c.new_empty(()), gdy_c, lora_B.to(cd), beta=0, alpha=scaling)  # s gdy B: [T, r]
+            da = _mm(gdy_c, lora_B.to(cd), alpha)  # s gdy B: [T, r]
             if needs[5]:
-                out[5] = _mm(gdy_c.T, a.reshape(-1, a.shape[-1]), scaling)
+                out[5] = _mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha)
             if needs[4]:
                 out[4] = _mm(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0)
             if needs[1]:

@@ -60,7 +60,10 @@ def factored_norm(weight, lora_A, lora_B, scaling, *, chunk_size=None) -> torch.
 
 @torch.no_grad()
 def compute_norm(weight, lora_A, lora_B, scaling: float, chunk_size: int | None = None, w_sq=None) -> torch.Tensor:
-    """The validated core: one norm computation on the backend's path, counted as ``norm:<path>``."""
+    """The validated core: one norm computation on the backend's path, counted as ``norm:<path>``.
+
+    Autocast is off inside: the eager path's fp32 matmuls (``A A^T``, ``(B A A^T)``) would otherwise run in 16 bits.
+    """
     if backend.use_triton(weight, lora_A, lora_B):
         from flashdora.kernels.norm import factored_norm_sq
 
@@ -68,7 +71,8 @@ def compute_norm(weight, lora_A, lora_B, scaling: float, chunk_size: int | None 
         sq = factored_norm_sq(weight, lora_A, lora_B, scaling)
     else:
         backend.count("norm:eager")
-        sq = norm_sq_eager(weight, lora_A, lora_B, scaling, chunk_size, w_sq)
+        with backend.autocast_off(weight.device.type):
+            sq = norm_sq_eager(weight, lora_A, lora_B, scaling, chunk_size, w_sq)
     return sq.clamp_min_(0.0).sqrt_()
 
 
@@ -251,9 +255,10 @@ class NormCache:
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
-        triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if owner is None:
-            return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
+            with torch.no_grad():
+                triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
+                return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
@@ -262,6 +267,12 @@ class NormCache:
         if cache.get("scales_key") == full_key:
             backend.count("norm:cached")
             return cache["scales"]
+        with torch.no_grad():  # the inputs may be parameters (eager calls skip the detach): nothing to record
+            return cls._update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
+
+    @staticmethod
+    def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling):
+        triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if cache.get("norm_key") == key:
             backend.count("norm:cached")
             cache["scales"] = _scales(magnitude, cache["norm"], triton)
@@ -302,7 +313,6 @@ def dora_scales(weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int
     Eager calls go straight to the cache (no op-dispatch overhead); under ``torch.compile`` the custom op keeps
     the cache lookup at run time, opaque to the graph.
     """
-    args = (weight.detach(), lora_A.detach(), lora_B.detach(), magnitude.detach(), scaling, cache_id)
     if torch.compiler.is_compiling():
-        return dora_scales_op(*args)
-    return NormCache.lookup(*args)
+        return dora_scales_op(weight.detach(), lora_A.detach(), lora_B.detach(), magnitude.detach(), scaling, cache_id)
+    return NormCache.lookup(weight, lora_A, lora_B, magnitude, scaling, cache_id)  # no_grad inside where it computes
