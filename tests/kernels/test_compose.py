@@ -250,3 +250,25 @@ def test_bf16_error_at_most_peft(d_in, d_out, r, lead, device, monkeypatch):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     out_err, peft_err = rel_err(out, ref), rel_err(peft_out, ref)
     assert out_err <= peft_err, f"flashdora bf16 error {out_err:.3e} > PEFT's {peft_err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32], ids=["nobias", "bias_same", "bias_fp32"])
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+def test_compose_fwd_rounds_like_its_eager_twin(dtype, bias_dtype, has_lx_base, poisoned_empty):
+    """Kernel and eager twin round at the same points (PEFT's: ``result - bias`` in their promoted dtype, one final
+    rounding): bit for bit under the interpreter, which has no fused multiply-add (the GPU may contract one)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("bitwise only without FMA contraction: the CPU interpreter")
+    torch.manual_seed(0)
+    t, n = 37, 70
+    result, lora = torch.randn(t, n, dtype=dtype) * 4, torch.randn(t, n, dtype=dtype)
+    lx_base = torch.randn(t, n, dtype=dtype) if has_lx_base else None
+    bias = None if bias_dtype is None else torch.randn(n, dtype=dtype if bias_dtype == "same" else bias_dtype)
+    g = (0.5 + torch.rand(n)).float()
+    gm1 = g - 1
+    y, inner = _kernels().compose_fwd(result, lora, g, gm1, 1.5, bias, lx_base)
+    y_eager, inner_eager = compose_fwd_eager(result, lora, g, gm1, 1.5, bias, lx_base)
+    assert torch.equal(y, y_eager) and torch.equal(inner, inner_eager)
