@@ -155,3 +155,27 @@ def test_floor_trains_peft_against_itself_one_ulp_off(tmp_path):
     assert len(curve["peft_floor"]) == len(curve["peft"]) == 3 and record["settings"]["floor"] is True
     assert 0 <= record["training"]["floor_mean_abs_delta"] <= record["training"]["floor_max_abs_delta"]
     assert "Noise floor" in path.with_suffix(".md").read_text()
+
+
+def test_merge_combines_seeds_of_separate_runs(tmp_path):
+    for seed in (1, 0):
+        assert main(["parity", *_argv(tmp_path), "--first-seed", str(seed), "--tag", f"s{seed}"]) == 0
+    runs = [tmp_path / p.name for p in sorted(tmp_path.glob("*_cpu_parity-s[01].json"))]
+    assert main(["parity", "--merge", *map(str, runs), "--out", str(tmp_path), "--tag", "merged"]) == 0
+    (path,) = tmp_path.glob("*_cpu_parity-merged.json")
+    merged = json.loads(path.read_text())
+    parts = [json.loads(p.read_text()) for p in runs]
+    assert [c["seed"] for c in merged["curves"]] == [0, 1] and merged["settings"]["seeds"] == 2
+    deltas = [abs(a - b) for p in parts for c in p["curves"] for a, b in zip(c["peft"], c["flashdora"], strict=True)]
+    assert merged["training"]["mean_abs_delta"] == pytest.approx(sum(deltas) / len(deltas))
+    assert merged["path_counts"]["eager"] == sum(p["path_counts"]["eager"] for p in parts)
+    assert merged["device"] == parts[0]["device"] and merged["command"][:3] == ["flashdora", "parity", "--merge"]
+    assert [s["file"] for s in merged["sources"]] == [p.name for p in runs]
+    assert "Merged (`--merge`) from" in path.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="a seed appears twice"):
+        main(["parity", "--merge", str(runs[0]), str(runs[0]), "--out", str(tmp_path)])
+    other = json.loads(runs[0].read_text())
+    other["settings"]["lr"] = 0.5
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"differs from .* in \['lr'\]"):
+        main(["parity", "--merge", str(runs[1]), str(tmp_path / "other.json"), "--out", str(tmp_path)])

@@ -252,6 +252,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
     parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
     parser.add_argument("--no-check", action="store_true", help="exit 0 even when a bar fails")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="combine parity results of the same settings on different seeds (e.g. one --first-seed per device "
+        "call) into one result; trains nothing",
+    )
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -326,6 +333,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if args.merge:
+        from flashdora.parity_merge import merge
+
+        result = merge(args.merge, args)
+        paths = record.write(result, args.out, render_markdown, render_png)
+        print_summary(result, console)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0 if result["passed"] or args.no_check else 1
     s = _settings(args)
     corpus = stdlib_corpus()
     console.print(
