@@ -49,12 +49,17 @@ def host_and_wall(step, n=10):
     return statistics.median(hosts), statistics.median(walls)
 
 
-def kernel_table(step, label):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+def _events(step, activity, device_type, reps):
+    """torch.profiler averages over ``reps`` steps, only the events of ``device_type``."""
+    with profile(activities=[activity]) as prof:
+        for _ in range(reps):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in prof.key_averages() if e.device_type == device_type]
+
+
+def kernel_table(step, label):
+    events = _events(step, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA, 3)
     total = sum(e.self_device_time_total for e in events) / 3 / 1e3
     print(f"--- {label}: GPU kernel time per step {total:.2f} ms; top kernels (ms per step, calls per step)")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
@@ -63,11 +68,7 @@ def kernel_table(step, label):
 
 
 def cpu_table(step, label):
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    events = _events(step, ProfilerActivity.CPU, torch.autograd.DeviceType.CPU, 2)
     print(f"--- {label}: host ops per step (calls, self host ms)")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top * 2]:
         print(f"  {e.count / 2:7.1f} {e.self_cpu_time_total / 2 / 1e3:8.3f}  {e.key[:90]}")

@@ -50,7 +50,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error, never a silent switch.
     ``eager``: never. Called several times per layer call, so the common case is a few attribute reads.
     """
-    backend = _parse_backend(os.environ.get("FLASHDORA_BACKEND"))
+    backend = requested_backend()
     if backend == "eager":
         return False
     if backend == "auto":

@@ -291,11 +291,11 @@ def _settings(args: argparse.Namespace) -> dict:
 def _train_seed(s: dict, seed: int, progress) -> dict[str, list[float]]:
     """One seed's training comparison: ``{"seed", "peft", "flashdora"[, "peft_floor"]}`` loss curves.
 
-    ``progress.put((seed, peft_loss, flash_loss))`` after each step.
+    ``progress.step(seed, peft_loss, flash_loss)`` after each step.
     """
     model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
     batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
-    report = lambda _, p, f: progress.put((seed, p, f))  # noqa: E731
+    report = lambda _, p, f: progress.step(seed, p, f)  # noqa: E731
     losses = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, report, floor=s["floor"])
     return {"seed": seed, **dict(zip(("peft", "flashdora", "peft_floor"), losses))}
 
@@ -311,8 +311,7 @@ class _Progress:
         self.bar = Progress(*columns, console=console, transient=True)
         self.task = self.bar.add_task("training", total=total)
 
-    def put(self, item: tuple[int, float, float]) -> None:
-        seed, peft_loss, flash_loss = item
+    def step(self, seed: int, peft_loss: float, flash_loss: float) -> None:
         self.done += 1
         desc = f"seed {seed}: loss {peft_loss:.4f} |delta| {abs(peft_loss - flash_loss):.1e}"
         self.bar.update(self.task, advance=1, description=desc)
@@ -336,11 +335,7 @@ def run(args: argparse.Namespace) -> int:
     if args.merge:
         from flashdora.parity_merge import merge
 
-        result = merge(args.merge, args)
-        paths = record.write(result, args.out, render_markdown, render_png)
-        print_summary(result, console)
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-        return 0 if result["passed"] or args.no_check else 1
+        return _write(merge(args.merge, args), args, console)
     s = _settings(args)
     corpus = stdlib_corpus()
     console.print(
@@ -361,6 +356,11 @@ def run(args: argparse.Namespace) -> int:
     counts = flashdora.stats()
     training = summarize_training(curves)
     result = make_record(vars(args), s, fidelity, training, curves, checks(fidelity, training, counts), counts, corpus)
+    return _write(result, args, console)
+
+
+def _write(result: dict, args: argparse.Namespace, console) -> int:
+    """Write the JSON, Markdown and PNG, print the summary; the exit code (1 when a bar fails, unless --no-check)."""
     paths = record.write(result, args.out, render_markdown, render_png)
     print_summary(result, console)
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))

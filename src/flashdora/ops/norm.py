@@ -255,10 +255,9 @@ class NormCache:
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
-        if owner is None:
-            with torch.no_grad():
-                triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
-                return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
+        if owner is None:  # (``_fresh`` runs under no_grad)
+            triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
+            return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
