@@ -8,7 +8,6 @@ import torch
 import flashdora
 from flashdora import dora_linear
 from flashdora.demo import build_peft_model
-from flashdora.ops.compose import compose_bwd_op, compose_fwd_op
 from flashdora.ops.norm import dora_scales_op
 from tests.helpers import dora_inputs, rel_err
 
@@ -74,7 +73,9 @@ def test_peft_llama_compiles_fullgraph_eval_and_train(backend):
     flashdora.reset_stats()
     loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
-    assert flashdora.stats().get("eager", 0) > 0  # the flashdora ops ran inside the compiled graph
+    stats = flashdora.stats()  # the norm op ran inside the compiled graph, PEFT's DoRA never did
+    assert sum(v for k, v in stats.items() if k.startswith("norm:")) > 0
+    assert not any(k.startswith("peft_fallback") for k in stats)
     # Compiled dropout draws its masks differently from eager, so compare the training step without dropout too.
     assert torch.isfinite(loss)
     for module in (model, compiled_model):
@@ -96,24 +97,9 @@ def test_peft_llama_compiles_fullgraph_eval_and_train(backend):
             assert rel_err(p.grad, ref_grads[n]) <= 1e-4, n
 
 
-def test_opcheck_every_op():
+def test_opcheck_norm_op():
     i = dora_inputs(12, 8, 3, lead=(5,))
-    result = torch.randn(5, 8, requires_grad=True)
-    lx = torch.randn(5, 12, requires_grad=True)
-    lx_base = torch.randn(5, 8, requires_grad=True)
-    a, b = i["lora_A"].requires_grad_(), i["lora_B"].requires_grad_()
-    m = i["magnitude"].requires_grad_()
-    scales = torch.rand(3, 8) + 0.5
-    for base, bias in ((None, i["bias"]), (lx_base, None)):
-        args = (result, lx, base, bias, a, b, m, scales, 0.7, torch.float32, True)
-        torch.library.opcheck(compose_fwd_op, args)
-    dy = torch.randn(5, 8)
-    inner = torch.randn(5, 8)
-    ar = torch.randn(5, 3)
-    for has_lx_base in (False, True):
-        args = (dy, lx.detach(), ar, inner, a.detach(), b.detach(), scales, 0.7, has_lx_base, True, True, [True] * 7)
-        torch.library.opcheck(compose_bwd_op, args)
-    torch.library.opcheck(dora_scales_op, (i["weight"], a.detach(), b.detach(), m.detach(), 0.7, -1))
+    torch.library.opcheck(dora_scales_op, (i["weight"], i["lora_A"], i["lora_B"], i["magnitude"], 0.7, -1))
 
 
 @pytest.mark.parametrize("tokens", [0, 3])

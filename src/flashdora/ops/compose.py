@@ -1,11 +1,10 @@
-"""``dora_linear`` and the DoRA compose op: public function, custom ops with autograd, eager forward and backward.
+"""``dora_linear`` and the DoRA compose: public function, autograd boundary, eager forward and backward.
 
-The op takes the base layer's output (``result = x W^T + bias``, as PEFT hands it to its variants) and adds the
-DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Eager calls cross one
-``autograd.Function``; under ``torch.compile`` the same bodies run as the ``torch.library`` custom ops
-``flashdora::compose_fwd`` / ``flashdora::compose_bwd`` (fake implementations, autograd attached), so the graph has
-no breaks. Two boundaries because the custom-op dispatch costs ~100 us a call in eager mode (docs/decisions.md).
-Math: docs/math.md.
+``compose`` takes the base layer's output (``result = x W^T + bias``, as PEFT hands it to its variants) and adds
+the DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Eager calls cross
+one ``autograd.Function`` (fused kernels on the Triton path). Under ``torch.compile`` the compose is plain torch
+ops that inductor fuses itself, with no break in the graph; only the norm lookup stays an opaque custom op
+(``flashdora::dora_scales``), since the cache lives outside the graph (docs/decisions.md). Math: docs/math.md.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, sa
         base = result.to(acc)
     s_lora = lora.to(acc) * scaling
     y = result.to(acc) + gm1 * base + g * s_lora
-    inner = s_lora.add_(base)
-    return y.to(result.dtype), inner.to(result.dtype) if save_inner else None
+    return y.to(result.dtype), s_lora.add_(base).to(result.dtype) if save_inner else None
 
 
 def compose_bwd_eager(dy, inner, scales, has_lx_base, gdy_scale=1.0):
@@ -53,11 +51,6 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return lora_A.dtype
-
-
-def _empty(like: Tensor) -> Tensor:
-    """The stand-in for an absent output (custom ops return tensors, never None)."""
-    return like.new_empty(0)
 
 
 def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
@@ -158,99 +151,20 @@ class ComposeFunction(torch.autograd.Function):
         return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
 
 
-@torch.library.custom_op("flashdora::compose_fwd", mutates_args=())
-def compose_fwd_op(
-    result: Tensor,
-    lx: Tensor,
-    lx_base: Tensor | None,
-    bias: Tensor | None,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    magnitude: Tensor,
-    scales: Tensor,
-    scaling: float,
-    compute_dtype: torch.dtype,
-    save_inner: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y, a, inner, lx_c)``: ``inner`` empty unless ``save_inner``, ``lx_c`` empty when ``lx`` has the matmul dtype.
+def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
+    """The compose as plain torch ops, for ``torch.compile``: inductor fuses them (the compose into one pointwise
+    kernel, the magnitude gradient into a reduction) and launches no Python between them.
 
-    ``magnitude`` is an input only so that autograd routes its gradient here; its value enters through ``scales``.
+    ``g`` and ``g - 1`` keep their values from ``scales`` and gain the magnitude's gradient, ``d/dm = 1 / norm``,
+    as PEFT's ``m / norm`` has it (the norm stays a constant).
     """
-    y, a, inner, lx_c, _ = _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner)
-    inner = _empty(result) if inner is None else inner.contiguous()
-    return y.contiguous(), a, inner, _empty(lx) if lx.dtype == compute_dtype else lx_c
-
-
-@compose_fwd_op.register_fake
-def _(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, save_inner):
-    a = lx.new_empty((*lx.shape[:-1], lora_A.shape[0]), dtype=compute_dtype)
-    inner = result.new_empty(result.shape) if save_inner else _empty(result)
-    lx_c = _empty(lx) if lx.dtype == compute_dtype else lx.new_empty(lx.shape, dtype=compute_dtype)
-    return result.new_empty(result.shape), a, inner, lx_c
-
-
-@torch.library.custom_op("flashdora::compose_bwd", mutates_args=())
-def compose_bwd_op(
-    dy: Tensor,
-    lx_c: Tensor,
-    a: Tensor,
-    inner: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    scales: Tensor,
-    scaling: float,
-    has_lx_base: bool,
-    has_bias: bool,
-    has_inner: bool,
-    needs: list[bool],
-) -> list[Tensor]:
-    """``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]`` (see ``_bwd``), empty tensors where not needed.
-
-    Absence is passed as flags, never read from sizes: with zero tokens every tensor is empty but still present.
-    """
-    grads = _bwd(dy, lx_c, a, inner if has_inner else None, lora_A.to(a.dtype), lora_B, scales, scaling,
-                 has_lx_base, has_bias, needs)  # fmt: skip
-    grads[4] = None if grads[4] is None else grads[4].to(lora_A.dtype)  # the fake's dtypes: the parameters'
-    grads[5] = None if grads[5] is None else grads[5].to(lora_B.dtype)
-    return [_empty(dy) if g is None else g for g in grads]
-
-
-@compose_bwd_op.register_fake
-def _(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, has_inner, needs):
-    d_out = dy.shape[-1]
-    shapes = [
-        (dy, not has_lx_base),
-        (lx_c, True),
-        (dy, has_lx_base),
-        (scales.new_empty(d_out), has_bias and not has_lx_base),
-        (lora_A, True),
-        (lora_B, True),
-        (scales.new_empty(d_out), has_inner),
-    ]
-    return [t.new_empty(t.shape) if need and ok else _empty(dy) for (t, ok), need in zip(shapes, needs)]
-
-
-def _setup_context(ctx, inputs, output):
-    result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, save_inner = inputs
-    _, a, inner, lx_c = output
-    ctx.save_for_backward(lx if lx.dtype == compute_dtype else lx_c, a, inner, lora_A, lora_B, scales)
-    ctx.has_inner = save_inner
-    dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
-    ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
-
-
-def _backward(ctx, dy, _da, _dinner, _dlx_c):
-    lx_c, a, inner, lora_A, lora_B, scales = ctx.saved_tensors
-    scaling, has_lx_base, has_bias, dtypes = ctx.meta
-    needs = list(ctx.needs_input_grad[:7])
-    args = (dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, ctx.has_inner, needs)
-    grads = compose_bwd_op(*args)
-    present = [not has_lx_base, True, has_lx_base, has_bias and not has_lx_base, True, True, ctx.has_inner]
-    grads = [g if need and ok else None for g, need, ok in zip(grads, needs, present)]
-    return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None, None)
-
-
-compose_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    g, gm1, inv = scales.unbind(0)
+    if magnitude.requires_grad and torch.is_grad_enabled():
+        m = magnitude.to(inv.dtype)
+        zero = (m - m.detach()) * inv  # 0 in value, 1 / norm in gradient
+        g, gm1 = g + zero, gm1 + zero
+    lora = F.linear(F.linear(lx.to(compute_dtype), lora_A.to(compute_dtype)), lora_B.to(compute_dtype))
+    return compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=False)[0]
 
 
 def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None) -> Tensor:
@@ -259,16 +173,14 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
     ``scales`` is ``dora_scales(...)``: ``(g, g - 1, 1 / norm)`` for ``magnitude``. Output dtype: ``result.dtype``.
-    Eager calls use ``ComposeFunction`` (less dispatch overhead); compiled graphs the custom ops.
+    Eager calls use ``ComposeFunction`` (the fused kernels on the Triton path); compiled graphs plain torch ops.
     """
     cd = _compute_dtype(result.device.type, lora_A)
-    if not torch.compiler.is_compiling():
-        if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
-            return _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, cd, False)[0]
-        return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd)
-    save_inner = magnitude.requires_grad and torch.is_grad_enabled()
-    args = (result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd, save_inner)
-    return compose_fwd_op(*args)[0]
+    if torch.compiler.is_compiling():
+        return _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, cd, bias, lx_base)
+    if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
+        return _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, cd, False)[0]
+    return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd)
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:
