@@ -73,8 +73,8 @@ def test_peft_llama_compiles_fullgraph_eval_and_train(backend):
     flashdora.reset_stats()
     loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
-    stats = flashdora.stats()  # the norm op ran inside the compiled graph, PEFT's DoRA never did
-    assert sum(v for k, v in stats.items() if k.startswith("norm:")) > 0
+    stats = flashdora.stats()  # flashdora's norm op ran in the compiled graph (once per layer), PEFT's DoRA never did
+    assert sum(v for k, v in stats.items() if k.startswith("norm:")) == 14
     assert not any(k.startswith("peft_fallback") for k in stats)
     # Compiled dropout draws its masks differently from eager, so compare the training step without dropout too.
     assert torch.isfinite(loss)
