@@ -90,6 +90,22 @@ def test_model_files_and_schema(tmp_path):
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
 
 
+def test_model_rounds_pool_every_rounds_steps(tmp_path):
+    argv = ["model", "--preset", "tiny", "--seq", "8", "--modes", "peft_lora", "flashdora", "--phases", "inference"]
+    result, files = run_bench(tmp_path, *argv, "--reps", "3", "--warmup", "0", "--rounds", "2")
+    assert result["protocol"]["rounds"] == 2
+    assert [r["mode"] for r in result["records"]] == ["peft_lora", "flashdora"]
+    for r in result["records"]:
+        assert len(r["times_ms"]) == 6 and len(r["round_ms"]) == 2, r
+        assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
+    assert "each round's median ms" in files[".md"].read_text()
+
+
+def test_model_rounds_refuse_compile():
+    with pytest.raises(SystemExit, match="--rounds > 1 with --compile"):
+        main(["bench", "model", "--preset", "tiny", "--rounds", "2", "--compile", "--device", "cpu"])
+
+
 def test_model_config_file_layers_and_bias(tmp_path):
     config = transformers.Qwen2Config(
         hidden_size=32,

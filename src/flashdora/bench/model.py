@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,9 @@ from peft import LoraConfig, get_peft_model
 
 import flashdora
 from flashdora.bench import record, timing
+from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")
-PHASES = ("inference", "grad")
 _LLAMA, _QWEN2 = "LlamaConfig", "Qwen2Config"
 # name -> (transformers config class, fields); random weights, so only the shapes matter.
 PRESETS = {
@@ -100,11 +100,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=5, help="timed steps per row; the median is reported")
+    parser.add_argument("--reps", type=int, default=5, help="timed steps per row and round; the median is reported")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the whole sequence of modes this many times and pool each row's timed steps, so that a host "
+        "that speeds up or slows down during the run weighs on every mode alike (eager only)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad step")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model (experimental)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
@@ -190,11 +197,11 @@ def step_fn(model, ids, phase: str, args):
     return grad
 
 
-def measure_mode(target, mode, ids, args, device, base_row, bar, task) -> list[dict]:
+def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) -> list[dict]:
     """Every phase of one built mode."""
     rows = []
     for phase in args.phases:
-        bar.update(task, description=f"{base_row['preset']}: {mode} {phase}")
+        bar.update(task, description=f"{label}: {mode} {phase}")
         timing.free_memory(device)
         flashdora.reset_stats()
         row = {**base_row, "mode": mode, "phase": phase}
@@ -217,18 +224,71 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task) -> list[d
     return rows
 
 
+def run_round(model, ids, args, device, base_row, bar, task, label, build_s):
+    """Every mode once on ``model`` (wrapped, timed, unloaded): ``(the unwrapped model, rows)``."""
+    rows = []
+    if "base" in args.modes:
+        rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
+    dora_modes = ["peft_dora", "flashdora", "flashdora_nocache"]
+    for use_dora, modes in ((False, ["peft_lora"]), (True, dora_modes)):
+        modes = [m for m in modes if m in args.modes]
+        if not modes:
+            continue
+        bar.update(task, description=f"{label}: wrapping for {'DoRA' if use_dora else 'LoRA'}")
+        t0 = time.perf_counter()
+        peft_model = wrap(model, args, use_dora)
+        build_s.setdefault("peft_dora" if use_dora else "peft_lora", time.perf_counter() - t0)
+        for mode in modes:
+            if mode == "peft_dora":
+                flashdora.disable(peft_model)
+            else:
+                flashdora.enable(peft_model, norm_cache=mode == "flashdora")
+            rows += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task, label)
+        model = peft_model.unload()
+        del peft_model
+        timing.free_memory(device)
+    return model, rows
+
+
+def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per (mode, phase) from the rows of each round: all timed steps pooled, their median as ``ms``, each
+    round's median in ``round_ms``, the largest peak; a row that failed in any round keeps that round's error."""
+    if len(rounds) == 1:
+        return rounds[0]
+    pooled = []
+    for same in zip(*rounds, strict=True):
+        row = dict(same[0])
+        failed = [r for r in same if r.get("ms") is None]
+        if failed:
+            pooled.append(failed[0])
+            continue
+        times = [t for r in same for t in r["times_ms"]]
+        row["ms"] = statistics.median(times)
+        row["times_ms"] = times
+        row["round_ms"] = [r["ms"] for r in same]
+        peaks = [r["peak_extra_gib"] for r in same if r["peak_extra_gib"] is not None]
+        row["peak_extra_gib"] = max(peaks) if peaks else None
+        row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]
+        row["paths"] = sorted({p for r in same for p in r["paths"]})
+        pooled.append(row)
+    return pooled
+
+
 def run(args) -> int:
     from rich.progress import Progress
 
     device = torch.device(args.device)
-    for flag in ("rank", "batch", "seq", "reps", "grad_accum"):
+    for flag in ("rank", "batch", "seq", "reps", "rounds", "grad_accum"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"bench model: --{flag.replace('_', '-')} expected >= 1, got {getattr(args, flag)}")
+    if args.rounds > 1 and args.compile:
+        raise SystemExit("bench model: --rounds > 1 with --compile would recompile every mode in every round; use 1")
     name, config = build_config(args)
     protocol = {
         "warmup": args.warmup,
         "reps": args.reps,
-        "statistic": "median",
+        "rounds": args.rounds,
+        "statistic": "median" if args.rounds == 1 else "median of all rounds' timed steps (round_ms: each round's)",
         "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
         "memory": "max_memory_allocated over the timed steps minus memory_allocated before them (GiB)",
         "dtype": args.dtype,
@@ -269,111 +329,18 @@ def run(args) -> int:
     }
     records, build_s = [], {}
     with Progress() as bar:
-        task = bar.add_task(f"{name}: building", total=len(args.modes) * len(args.phases))
+        task = bar.add_task(f"{name}: building", total=args.rounds * len(args.modes) * len(args.phases))
         t0 = time.perf_counter()
         model = build_base(config, args, device)
         build_s["base"] = time.perf_counter() - t0
-        if "base" in args.modes:
-            records += measure_mode(model, "base", ids, args, device, base_row, bar, task)
-        dora_modes = ["peft_dora", "flashdora", "flashdora_nocache"]
-        for use_dora, modes in ((False, ["peft_lora"]), (True, dora_modes)):
-            modes = [m for m in modes if m in args.modes]
-            if not modes:
-                continue
-            bar.update(task, description=f"{name}: wrapping for {'DoRA' if use_dora else 'LoRA'}")
-            t0 = time.perf_counter()
-            peft_model = wrap(model, args, use_dora)
-            build_s["peft_dora" if use_dora else "peft_lora"] = time.perf_counter() - t0
-            for mode in modes:
-                if mode == "peft_dora":
-                    flashdora.disable(peft_model)
-                else:
-                    flashdora.enable(peft_model, norm_cache=mode == "flashdora")
-                records += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task)
-            model = peft_model.unload()
-            del peft_model
-            timing.free_memory(device)
+        for k in range(args.rounds):
+            label = f"{name}" + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
+            model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s)
+            records.append(rows)
+    records = pool_rounds(records)
     result["build_s"] = build_s
     result["records"] = records
     paths = record.write(result, args.out, render_markdown, render_png)
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
-
-
-def render_markdown(result: dict) -> str:
-    """The model table, from a result JSON: time, throughput, ratios and memory per (mode, phase)."""
-    recs = result["records"]
-    ms = {(r["preset"], r["phase"], r["mode"]): r["ms"] for r in recs}
-
-    def ratio(r, mode):
-        other = ms.get((r["preset"], r["phase"], mode))
-        return None if r["ms"] is None or not other else r["ms"] / other
-
-    columns = [
-        "preset",
-        "phase",
-        "mode",
-        "r",
-        "tokens",
-        "ms",
-        "tokens/s",
-        "vs base",
-        "vs peft_lora",
-        "peft_dora / this",
-        "peak extra GiB",
-        "paths",
-    ]
-    rows = []
-    for r in sorted(recs, key=lambda r: (r["preset"], PHASES.index(r["phase"]), MODES.index(r["mode"]))):
-        dora = ms.get((r["preset"], r["phase"], "peft_dora"))
-        rows.append(
-            [
-                r["preset"],
-                r["phase"],
-                r["mode"],
-                r["rank"],
-                r["tokens"],
-                r["ms"],
-                r.get("tokens_per_s"),
-                ratio(r, "base"),
-                ratio(r, "peft_lora"),
-                None if not r["ms"] or dora is None else dora / r["ms"],
-                r["peak_extra_gib"],
-                " ".join(r.get("paths") or []) or r.get("error") or "-",
-            ]
-        )
-    build = ", ".join(f"{k} {v:.1f} s" for k, v in result.get("build_s", {}).items())
-    return (
-        "\n".join(
-            [
-                record.header(result, f"flashdora bench model: {result['config']['name']}"),
-                f"- model: {result['config']}",
-                f"- build/wrap wall time: {build}",
-                "",
-                "ms: median per step (grad: forward + backward, optimizer excluded); peak extra GiB: "
-                "above the resident model and adapters.",
-                "",
-                record.table(columns, rows),
-            ]
-        )
-        + "\n"
-    )
-
-
-def render_png(result: dict, path) -> None:
-    """Time and peak extra memory per mode, one bar group per phase."""
-    recs = result["records"]
-    phases = [p for p in PHASES if any(r["phase"] == p for r in recs)]
-    modes = [m for m in MODES if any(r["mode"] == m for r in recs)]
-    look = {(r["phase"], r["mode"]): r for r in recs}
-    fig, axes = record.figure(1, 2, (11, 4))
-    for ax, (field, label) in zip(axes[0], [("ms", "ms per step"), ("peak_extra_gib", "peak extra GiB")], strict=True):
-        series = {m: [look.get((p, m), {}).get(field) for p in phases] for m in modes}
-        record.grouped_bars(ax, phases, series, label)
-        ax.set_title(f"{result['config']['name']}, r={recs[0]['rank'] if recs else '-'}: {label}", fontsize=9)
-        if any(v is not None for vals in series.values() for v in vals):
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not measured on this device", ha="center", transform=ax.transAxes)
-    record.save(fig, path)

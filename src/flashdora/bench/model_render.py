@@ -1,0 +1,89 @@
+"""Markdown table and PNG chart of a ``flashdora bench model`` result (both regenerable from its JSON)."""
+
+from __future__ import annotations
+
+from flashdora.bench import record
+
+MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")
+PHASES = ("inference", "grad")
+
+
+def render_markdown(result: dict) -> str:
+    """The model table, from a result JSON: time, throughput, ratios and memory per (mode, phase)."""
+    recs = result["records"]
+    ms = {(r["preset"], r["phase"], r["mode"]): r["ms"] for r in recs}
+
+    def ratio(r, mode):
+        other = ms.get((r["preset"], r["phase"], mode))
+        return None if r["ms"] is None or not other else r["ms"] / other
+
+    rounds = any("round_ms" in r for r in recs)
+    columns = [
+        "preset",
+        "phase",
+        "mode",
+        "r",
+        "tokens",
+        "ms",
+        *(["each round's median ms"] if rounds else []),
+        "tokens/s",
+        "vs base",
+        "vs peft_lora",
+        "peft_dora / this",
+        "peak extra GiB",
+        "paths",
+    ]
+    rows = []
+    for r in sorted(recs, key=lambda r: (r["preset"], PHASES.index(r["phase"]), MODES.index(r["mode"]))):
+        dora = ms.get((r["preset"], r["phase"], "peft_dora"))
+        rows.append(
+            [
+                r["preset"],
+                r["phase"],
+                r["mode"],
+                r["rank"],
+                r["tokens"],
+                r["ms"],
+                *([" / ".join(f"{v:.1f}" for v in r.get("round_ms", []))] if rounds else []),
+                r.get("tokens_per_s"),
+                ratio(r, "base"),
+                ratio(r, "peft_lora"),
+                None if not r["ms"] or dora is None else dora / r["ms"],
+                r["peak_extra_gib"],
+                " ".join(r.get("paths") or []) or r.get("error") or "-",
+            ]
+        )
+    build = ", ".join(f"{k} {v:.1f} s" for k, v in result.get("build_s", {}).items())
+    return (
+        "\n".join(
+            [
+                record.header(result, f"flashdora bench model: {result['config']['name']}"),
+                f"- model: {result['config']}",
+                f"- build/wrap wall time: {build}",
+                "",
+                "ms: median per step (grad: forward + backward, optimizer excluded; with rounds, over every "
+                "round's steps); peak extra GiB: above the resident model and adapters.",
+                "",
+                record.table(columns, rows),
+            ]
+        )
+        + "\n"
+    )
+
+
+def render_png(result: dict, path) -> None:
+    """Time and peak extra memory per mode, one bar group per phase."""
+    recs = result["records"]
+    phases = [p for p in PHASES if any(r["phase"] == p for r in recs)]
+    modes = [m for m in MODES if any(r["mode"] == m for r in recs)]
+    look = {(r["phase"], r["mode"]): r for r in recs}
+    fig, axes = record.figure(1, 2, (11, 4))
+    for ax, (field, label) in zip(axes[0], [("ms", "ms per step"), ("peak_extra_gib", "peak extra GiB")], strict=True):
+        series = {m: [look.get((p, m), {}).get(field) for p in phases] for m in modes}
+        record.grouped_bars(ax, phases, series, label)
+        ax.set_title(f"{result['config']['name']}, r={recs[0]['rank'] if recs else '-'}: {label}", fontsize=9)
+        if any(v is not None for vals in series.values() for v in vals):
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured on this device", ha="center", transform=ax.transAxes)
+    record.save(fig, path)
