@@ -1,4 +1,4 @@
-"""torch.compile without graph breaks (fullgraph=True raises on any) and the custom ops' own checks."""
+"""torch.compile without graph breaks (fullgraph=True raises on any), compiled vs eager, and the norm op's checks."""
 
 import copy
 
@@ -122,3 +122,33 @@ def test_compiled_autocast_with_fp32_adapters_and_empty_batches(tokens):
     for out, ref in zip(outs[1], outs[0]):  # bf16 outputs: the traced linear may round one element differently
         assert ref is not None and out is not None and out.shape == ref.shape
         assert rel_err(out, ref) <= 1e-2 if tokens else out.numel() == 0 or not out.any()
+
+
+@pytest.mark.parametrize("with_lora_x", [False, True], ids=["plain", "lora_x"])
+def test_compiled_training_saves_one_activation_and_rounds_dm_like_eager(with_lora_x):
+    # The magnitude gradient sum(dy * inner) / norm from a bf16 ``inner``, as on the eager path, and one [T, d_out]
+    # activation kept for it (with g differentiable the graph kept result and the LoRA output, and dm was ~1e-3 off).
+    i = dora_inputs(40, 48, 4, lead=(64,))
+    w, bias = i["weight"].bfloat16(), i["bias"].bfloat16()
+    lora_x = torch.nn.functional.dropout(i["x"], 0.2) if with_lora_x else None
+
+    def f(x, a, b, m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return dora_linear(x, w, bias, a, b, m, 0.7, lora_x=lora_x)
+
+    grads, big_saved = [], []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [i[k].detach().clone().requires_grad_() for k in ("x", "lora_A", "lora_B", "magnitude")]
+        shapes = []
+
+        def keep(t, shapes=shapes):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            y = fn(*leaves)
+        y.float().square().sum().backward()
+        grads.append(leaves[3].grad)
+        big_saved.append(sum(s == (64, 48) for s in shapes))
+    assert big_saved[1] <= big_saved[0] == 1, big_saved  # eager keeps inner only; compiled no more
+    assert rel_err(grads[1], grads[0]) <= 1e-6

@@ -129,7 +129,7 @@ def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
 
 
 class ComposeFunction(torch.autograd.Function):
-    """The eager autograd boundary; under ``torch.compile`` the same bodies run as custom ops (see ``compose``)."""
+    """The eager autograd boundary (under ``torch.compile``, ``compose`` traces ``_compose_traced`` instead)."""
 
     @staticmethod
     def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype):
@@ -155,16 +155,19 @@ def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, comp
     """The compose as plain torch ops, for ``torch.compile``: inductor fuses them (the compose into one pointwise
     kernel, the magnitude gradient into a reduction) and launches no Python between them.
 
-    ``g`` and ``g - 1`` keep their values from ``scales`` and gain the magnitude's gradient, ``d/dm = 1 / norm``,
-    as PEFT's ``m / norm`` has it (the norm stays a constant).
+    ``g`` and ``g - 1`` are constants, as on the eager path; the magnitude's gradient, ``sum dy * inner / norm``,
+    comes from a term that is zero in value: ``(m - m.detach()) / norm * inner``. Backward then keeps only ``inner``
+    in ``result``'s dtype, as the eager path does (with ``g`` differentiable it would keep both ``result`` and the
+    LoRA output, and round the gradient differently).
     """
     g, gm1, inv = scales.unbind(0)
-    if magnitude.requires_grad and torch.is_grad_enabled():
-        m = magnitude.to(inv.dtype)
-        zero = (m - m.detach()) * inv  # 0 in value, 1 / norm in gradient
-        g, gm1 = g + zero, gm1 + zero
+    need_m = magnitude.requires_grad and torch.is_grad_enabled()
     lora = F.linear(F.linear(lx.to(compute_dtype), lora_A.to(compute_dtype)), lora_B.to(compute_dtype))
-    return compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=False)[0]
+    y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=need_m)
+    if not need_m:
+        return y
+    m = magnitude.to(inv.dtype)
+    return y + ((m - m.detach()) * inv * inner.detach().to(inv.dtype)).to(y.dtype)  # + 0, d/dm = inner / norm
 
 
 def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None) -> Tensor:
