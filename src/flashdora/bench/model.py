@@ -335,7 +335,7 @@ def run(args) -> int:
         model = build_base(config, args, device)
         build_s["base"] = time.perf_counter() - t0
         for k in range(args.rounds):
-            label = f"{name}" + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
+            label = name + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
             model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s)
             records.append(rows)
     records = pool_rounds(records)
