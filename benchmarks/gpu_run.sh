@@ -3,6 +3,7 @@
 #   a: the GPU test suite and the layer benchmark      b: the model benchmarks and the parity run
 #   c: the compile/rounding GPU tests, then eager (3 rounds) vs compiled on 8 layers of the 8B model, one call
 #      (the full `pytest -m gpu tests` takes more than 260 s on its own: run it in a call of its own)
+#   d: where the norm's time goes (benchmarks/norm_variants.py), then the layer benchmark at r = 384
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHDORA_DIRTY=${FLASHDORA_DIRTY:-0}
@@ -37,6 +38,10 @@ case "${1:-a}" in
       --tag eager-8l --out "$R"
     timeout 300 $fd bench model --preset llama3-8b --layers 8 --modes peft_lora flashdora --reps 5 --compile \
       --tag compile-8l --out "$R"
+    ;;
+  d)
+    timeout 240 python3 benchmarks/norm_variants.py --out "$R" 2>&1 | tee "$R/norm_variants.txt"
+    timeout 300 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
     ;;
 esac
 tar -C "$OUT" -cf "$OUT/results.tar" results && rm -rf "$R"
