@@ -4,6 +4,9 @@
 #   c: the compile/rounding GPU tests, then eager (3 rounds) vs compiled on 8 layers of the 8B model, one call
 #      (the full `pytest -m gpu tests` takes more than 260 s on its own: run it in a call of its own)
 #   d: where the norm's time goes (benchmarks/norm_variants.py), then the layer benchmark at r = 384
+#   e: (nvidia-h200) the qwen2.5-32b model benchmark
+#   f: after a norm change: its GPU tests, its pieces against the earlier kernel (carry .out/old_norm.py, from
+#      `git show 87cfff6:src/flashdora/kernels/norm.py`), the layer benchmark at r = 384, the 8B model benchmark
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHDORA_DIRTY=${FLASHDORA_DIRTY:-0}
@@ -42,6 +45,16 @@ case "${1:-a}" in
   d)
     timeout 240 python3 benchmarks/norm_variants.py --out "$R" 2>&1 | tee "$R/norm_variants.txt"
     timeout 300 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
+    ;;
+  e)
+    timeout 580 $fd bench model --preset qwen2.5-32b --modes base peft_lora peft_dora flashdora --out "$R"
+    ;;
+  f)
+    timeout 170 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops/test_norm_cache.py -q -p no:cacheprovider \
+      2>&1 | tail -8 | tee "$R/pytest_gpu.txt"
+    timeout 150 python3 benchmarks/norm_variants.py --old .out/old_norm.py --out "$R" 2>&1 | tee "$R/norm_variants.txt"
+    timeout 120 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
+    timeout 150 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --out "$R"
     ;;
 esac
 tar -C "$OUT" -cf "$OUT/results.tar" results && rm -rf "$R"

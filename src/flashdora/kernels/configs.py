@@ -59,20 +59,27 @@ COMPOSE_BWD_ROW_QUANTUM = 32
 COMPOSE_BWD_TARGET_PROGRAMS_PER_SM = 16
 COMPOSE_BWD_MIN_COL_BLOCK = 128  # the column block assumed when sizing the split (the smallest BLOCK_N above)
 
-# Factored norm: a GEMM [d_out, d_in] x [d_in, r] with the row-dot against B in its epilogue. BLOCK_R (the r-slice
-# per program) comes from norm_block_r, not the autotuner, so the partial-sum buffer's rows do not depend on the
-# config; configs too big for shared memory at W's element size are shrunk by prune_norm.
+# Factored norm of float32 weights: a GEMM [d_out, d_in] x [d_in, r] with the row-dot against B in its epilogue.
+# BLOCK_R (the r-slice per program) comes from norm_block_r, not the autotuner, so the partial-sum buffer's rows do
+# not depend on the config; configs too big for shared memory at W's element size are shrunk by prune_norm.
 NORM_FWD = _pick(
     [
-        triton.Config({"BLOCK_M": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        # d_out ~ 1-4k (attention projections of 7-8B models): 128-row blocks leave most of the SMs idle.
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 32}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 16}, num_warps=8, num_stages=4),
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
+)
+# The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): B G on TF32 and the row-dot, per row block;
+# key ["r"]. BLOCK_J is the column block of B G, BLOCK_G its K step (K = r).
+NORM_FINISH = _pick(
+    [
+        triton.Config({"BLOCK_M": 64, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_M": 32, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_M": 128, "BLOCK_J": 64, "BLOCK_G": 32}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_M": 64, "BLOCK_J": 64, "BLOCK_G": 64}, num_warps=4, num_stages=3),
+    ],
+    triton.Config({"BLOCK_M": 16, "BLOCK_J": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
 )
 NORM_GRAM_BLOCK_K = 32  # K step of the in-epilogue B_rows @ G[:, r-slice] product (K = r)
 NORM_SMEM_BYTES = 200 * 1024  # operand ring budget (H100 allows 227 KiB per block; the epilogue needs some too)

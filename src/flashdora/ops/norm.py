@@ -68,7 +68,7 @@ def compute_norm(weight, lora_A, lora_B, scaling: float, chunk_size: int | None 
         from flashdora.kernels.norm import factored_norm_sq
 
         backend.count("norm:triton")
-        sq = factored_norm_sq(weight, lora_A, lora_B, scaling)
+        sq = factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq)
     else:
         backend.count("norm:eager")
         with backend.autocast_off(weight.device.type):
@@ -143,7 +143,7 @@ def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) 
         from flashdora.kernels.norm import norm_and_scales
 
         backend.count("norm:triton")
-        return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude)
+        return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
     return norm, scales(magnitude, norm)
 
@@ -202,7 +202,7 @@ def graphs_enabled() -> bool:
 _MAX_CAPTURES = 3  # per layer: storage that keeps moving (e.g. parameters gathered into new buffers) stops capturing
 
 
-def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B, magnitude):
+def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B, magnitude, w_sq):
     """``_fresh`` on the Triton path, replayed from a per-layer CUDA graph once one is captured for this storage.
 
     A graph re-reads its inputs where they were at capture, so it is keyed on storage, shape, strides, dtype and
@@ -210,13 +210,13 @@ def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B
     The first computation for a storage runs eagerly (and warms the autotuner); it is captured for the next.
     """
     scaling = key[3]
-    storage = tuple(k[:1] + k[2:] for k in (*key[:3], m_key)) + (scaling,)
+    storage = tuple(k[:1] + k[2:] for k in (*key[:3], m_key)) + (scaling, w_sq.data_ptr())
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:
         backend.count("norm:triton")
         both = entry[1]()
         return both[0], both[1:]
-    fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True)
+    fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
     captures = cache.get("graph_captures", 0)
     graphable = weight.is_cuda and graphs_enabled()  # the Triton path also runs on CPU tensors, interpreted
     if graphable and captures < _MAX_CAPTURES and not torch.cuda.is_current_stream_capturing():
@@ -225,7 +225,7 @@ def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B
         from flashdora.kernels.norm import NormGraph
 
         try:
-            cache["graph"] = (storage, NormGraph(weight, lora_A, lora_B, scaling, magnitude))
+            cache["graph"] = (storage, NormGraph(weight, lora_A, lora_B, scaling, magnitude, w_sq))
         except Exception as e:  # noqa: BLE001 - a capture failure costs speed, never correctness
             cache["graph_captures"] = _MAX_CAPTURES
             backend.warn_once("norm_graph", f"flashdora: norm CUDA graph capture failed, running eagerly ({e})")
@@ -275,17 +275,34 @@ class NormCache:
         if cache.get("norm_key") == key:
             backend.count("norm:cached")
             cache["scales"] = _scales(magnitude, cache["norm"], triton)
-        elif triton:  # the fused kernel gets ||W||^2 from its read of W
-            cache["norm"], cache["scales"] = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude)
-            cache["norm_key"] = key
         else:
-            if cache.get("w_sq_key") != key[0]:
-                cache["w_sq_key"], cache["w_sq"] = key[0], weight_sq_eager(weight)
-            w_sq = cache["w_sq"]
-            cache["norm"], cache["scales"] = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)
+            w_sq = NormCache._weight_sq(cache, key[0], weight, triton)
+            if triton:
+                fresh = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude, w_sq)
+            else:
+                fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)
+            cache["norm"], cache["scales"] = fresh
             cache["norm_key"] = key
         cache["scales_key"] = full_key
         return cache["scales"]
+
+    @staticmethod
+    def _weight_sq(cache, w_key: tuple, weight, triton: bool) -> torch.Tensor:
+        """``||W||^2``, computed once per version of W (a frozen base: once). Kept in one buffer, rewritten in place
+        when W changes, so a norm CUDA graph that reads it stays valid."""
+        buf = cache.get("w_sq")
+        if cache.get("w_sq_key") == w_key and buf is not None:
+            return buf
+        if triton:
+            from flashdora.kernels.norm_gemm import weight_sq
+
+            fresh = weight_sq(weight)
+        else:
+            fresh = weight_sq_eager(weight)
+        if buf is not None and buf.shape == fresh.shape and buf.dtype == fresh.dtype and buf.device == fresh.device:
+            fresh = buf.copy_(fresh)
+        cache["w_sq_key"], cache["w_sq"] = w_key, fresh
+        return fresh
 
     @staticmethod
     def clear(owner) -> None:

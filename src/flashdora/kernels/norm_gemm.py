@@ -1,0 +1,163 @@
+"""Factored DoRA row norm for 16-bit weights: its two GEMMs on cuBLAS, everything else in one Triton epilogue.
+
+``||W + s B A||^2 = ||W||^2 + 2s <W A^T, B>_row + s^2 <B G, B>_row`` with ``G = A A^T`` (docs/math.md):
+
+1. ``_split_kernel``: ``A`` (any float dtype) as two bf16 halves, ``hi = bf16(A)`` and ``lo = bf16(A - hi)``.
+2. ``G = hi hi^T + hi lo^T + lo hi^T`` from one cuBLAS GEMM ``[hi; lo] hi^T`` (bf16 operands, fp32 out): the
+   "bf16x3" product, accurate to ~2^-16 relative, for a fraction of a split-K fp32 kernel's time.
+3. ``C = W A^T`` by cuBLAS on 16-bit operands (``A`` rounded to W's dtype, as the matmul's own cast would), fp32
+   out: the tensor cores at their GEMM rate, which our Triton GEMM reached only two thirds of on an H100.
+4. ``_finish_kernel``: per row block, ``B G`` (TF32, K = r) and the row-dot of ``2s C + s^2 B G`` with ``B``,
+   plus ``||W||^2`` (given: the norm cache keeps it per weight version), then the norm and DoRA's scales.
+
+``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
+``ops/norm.py``. float32 weights take ``kernels/norm.py``'s fused kernel (float32-accurate TF32x3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdora.kernels import configs
+from flashdora.kernels.compose import _to_out
+
+_CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
+
+
+@triton.jit
+def _split_kernel(p_a, p_out, n, EMULATE_RNE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[:n] = bf16(a)``, ``out[n:] = bf16(a - out[:n])`` over a flat ``a`` of ``n`` elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    a = tl.load(p_a + offs, mask=mask, other=0.0).to(tl.float32)
+    hi = _to_out(a, tl.bfloat16, EMULATE_RNE)
+    lo = _to_out(a - hi.to(tl.float32), tl.bfloat16, EMULATE_RNE)
+    tl.store(p_out + offs, hi, mask=mask)
+    tl.store(p_out + n + offs, lo, mask=mask)
+
+
+@triton.jit
+def _row_sq_kernel(p_w, p_out, d_out, d_in, stride_wm, stride_wk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``||W_rows||^2`` of BLOCK_M rows, float32 accumulation, one read of W."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # [BLOCK_K]
+    mask_m = offs_m < d_out
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k in range(0, d_in, BLOCK_K):
+        mask = mask_m[:, None] & ((k + offs_k) < d_in)[None, :]
+        p = p_w + offs_m[:, None] * stride_wm + (k + offs_k)[None, :] * stride_wk
+        b_w = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+        acc += b_w * b_w
+    tl.store(p_out + offs_m, tl.sum(acc, axis=1), mask=mask_m)
+
+
+@triton.autotune(configs=configs.NORM_FINISH, key=["r"])
+@triton.jit(do_not_specialize=["rows"])
+def _finish_kernel(
+    p_c, p_b, p_gram, p_wsq, p_m, p_out,
+    rows, r, two_s, s_sq,
+    stride_c, stride_bm, stride_br, stride_out,
+    WITH_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """Squared norms (or ``[norm; g; g - 1; 1 / norm]`` with WITH_SCALES) of BLOCK_M rows."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    mask_m = offs_m < rows
+    sq = tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)  # ||W_rows||^2, float32
+    offs_j0 = tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
+    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
+    for j in range(0, r, BLOCK_J):
+        offs_j = j + offs_j0
+        mask_j = offs_j < r
+        bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)  # (B G)[rows, j-block]
+        for k in range(0, r, BLOCK_G):
+            mask_k = (k + offs_g) < r
+            p_bk = p_b + offs_m[:, None] * stride_bm + (k + offs_g)[None, :] * stride_br
+            b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            p_gk = p_gram + (k + offs_g)[:, None] * r + offs_j[None, :]
+            b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+            bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
+        mask = mask_m[:, None] & mask_j[None, :]
+        b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
+        p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
+        b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
+        sq += tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)
+    if WITH_SCALES:  # ops.norm.scales: a zero row outputs its bias and gets no magnitude gradient
+        norm = tl.sqrt_rn(tl.maximum(sq, 0.0))
+        m = tl.load(p_m + offs_m, mask=mask_m, other=0.0).to(tl.float32)
+        positive = norm > 0.0
+        inv = tl.where(positive, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
+        tl.store(p_out + offs_m, norm, mask=mask_m)
+        tl.store(p_out + stride_out + offs_m, m * inv, mask=mask_m)
+        tl.store(p_out + 2 * stride_out + offs_m, tl.where(positive, (m - norm) * inv, -1.0), mask=mask_m)
+        tl.store(p_out + 3 * stride_out + offs_m, inv, mask=mask_m)
+    else:
+        tl.store(p_out + offs_m, sq, mask=mask_m)
+
+
+def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` of 16-bit operands with float32 accumulation and output (cuBLAS on CUDA; exact products in float32
+    elsewhere, which is what the GPU's tensor cores compute, summed in another order)."""
+    if x.is_cuda:
+        return torch.mm(x, y, out_dtype=torch.float32)
+    return torch.mm(x.float(), y.float())
+
+
+def split_bf16(lora_A: torch.Tensor) -> torch.Tensor:
+    """``[2, r, d_in]`` bf16: ``hi = bf16(A)`` and ``lo = bf16(A - hi)`` (round to nearest even)."""
+    a = lora_A.detach()
+    a = a if a.is_contiguous() else a.contiguous()
+    out = torch.empty((2, *a.shape), dtype=torch.bfloat16, device=a.device)
+    n = a.numel()
+    block = 1024 if not configs.INTERPRETED else 256
+    _split_kernel[(triton.cdiv(n, block),)](a, out, n, EMULATE_RNE=configs.INTERPRETED, BLOCK=block)
+    return out
+
+
+def gram_bf16x3(split: torch.Tensor) -> torch.Tensor:
+    """``A A^T`` [r, r] float32 from ``split_bf16(A)``: ``hi hi^T + hi lo^T + lo hi^T`` (one GEMM)."""
+    r, d_in = split.shape[1:]
+    p = _mm_f32(split.view(2 * r, d_in), split[0].T)  # [2r, r]: hi hi^T over lo hi^T
+    return torch.add(p[:r], p[r:]).add_(p[r:].T)
+
+
+def weight_sq(weight: torch.Tensor) -> torch.Tensor:
+    """``||W||^2`` per row ``[d_out]`` float32 (float32 accumulation; no transient copy of W)."""
+    d_out, d_in = weight.shape
+    out = torch.empty(d_out, dtype=torch.float32, device=weight.device)
+    block_m, block_k = (8, 512) if not configs.INTERPRETED else (8, 32)
+    _row_sq_kernel[(triton.cdiv(d_out, block_m),)](
+        weight, out, d_out, d_in, weight.stride(0), weight.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4
+    )
+    return out
+
+
+def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=None) -> torch.Tensor:
+    """Squared row norms ``[d_out]`` of ``W + s B A`` for a 16-bit ``weight``; with ``magnitude``, the ``[4, d_out]``
+    float32 ``[norm; g; g - 1; 1 / norm]`` (into ``out`` when given). ``w_sq``: a known ``||W||^2``."""
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    split = split_bf16(lora_A)
+    g = gram_bf16x3(split)
+    a = split[0] if weight.dtype == torch.bfloat16 else lora_A.detach().to(weight.dtype)  # [r, d_in]
+    w_sq = weight_sq(weight) if w_sq is None else w_sq
+    with_scales = magnitude is not None
+    if out is None:
+        out = torch.empty((4, d_out) if with_scales else (d_out,), dtype=torch.float32, device=weight.device)
+    m = magnitude.detach() if with_scales else w_sq
+    chunk = max(1, _CHUNK_ELEMENTS // r)
+    for i in range(0, d_out, chunk):
+        rows = min(chunk, d_out - i)
+        c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
+        b = lora_B[i : i + rows]
+        o = out[:, i : i + rows] if with_scales else out[i : i + rows]
+        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]),)  # noqa: E731
+        args = (
+            c, b, g, w_sq[i : i + rows], m[i : i + rows], o,
+            rows, r, 2.0 * scaling, scaling * scaling,
+            c.stride(0), b.stride(0), b.stride(1), o.stride(0) if with_scales else 0,
+        )  # fmt: skip
+        key = (r, b.dtype, m.dtype, with_scales)
+        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales))
+    return out
