@@ -102,7 +102,10 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None):
     out = torch.empty(d_out, device=DEV)
     finish_args = (c, b, g, w_sq, w_sq, out, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), 0)
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
-    add("piece: Triton epilogue (B G, row-dot)", ms(lambda: ng._finish_kernel[grid](*finish_args, WITH_SCALES=False)))
+    for prec in ("tf32x3", "tf32"):  # the shipped epilogue, and what plain TF32 would save
+        fn = lambda prec=prec: ng._finish_kernel[grid](*finish_args, WITH_SCALES=False, GRAM_PRECISION=prec)  # noqa: E731
+        add(f"piece: Triton epilogue (B G on {prec}, row-dot)", ms(fn))
+        print("    autotuned config:", ng._finish_kernel.best_config)
     g_err = ((g.double() - a.double() @ a.double().T).abs().max() / (a.double() @ a.double().T).abs().max()).item()
     print(f"  Gram bf16x3 max rel err vs float64: {g_err:.1e}")
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, split[0].T)))

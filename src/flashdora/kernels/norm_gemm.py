@@ -7,7 +7,8 @@
    "bf16x3" product, accurate to ~2^-16 relative, for a fraction of a split-K fp32 kernel's time.
 3. ``C = W A^T`` by cuBLAS on 16-bit operands (``A`` rounded to W's dtype, as the matmul's own cast would), fp32
    out: the tensor cores at their GEMM rate, which our Triton GEMM reached only two thirds of on an H100.
-4. ``_finish_kernel``: per row block, ``B G`` (TF32, K = r) and the row-dot of ``2s C + s^2 B G`` with ``B``,
+4. ``_finish_kernel``: per row block, ``B G`` (3-pass TF32, float32-accurate; K = r) and the row-dot of
+   ``2s C + s^2 B G`` with ``B``,
    plus ``||W||^2`` (given: the norm cache keeps it per weight version), then the norm and DoRA's scales.
 
 ``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
@@ -59,7 +60,8 @@ def _finish_kernel(
     p_c, p_b, p_gram, p_wsq, p_m, p_out,
     rows, r, two_s, s_sq,
     stride_c, stride_bm, stride_br, stride_out,
-    WITH_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
+    WITH_SCALES: tl.constexpr, GRAM_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """Squared norms (or ``[norm; g; g - 1; 1 / norm]`` with WITH_SCALES) of BLOCK_M rows."""
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
@@ -77,7 +79,7 @@ def _finish_kernel(
             b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             p_gk = p_gram + (k + offs_g)[:, None] * r + offs_j[None, :]
             b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-            bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
+            bg = tl.dot(b_b, b_g, bg, input_precision=GRAM_PRECISION)
         mask = mask_m[:, None] & mask_j[None, :]
         b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
         p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
@@ -159,5 +161,5 @@ def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=No
             c.stride(0), b.stride(0), b.stride(1), o.stride(0) if with_scales else 0,
         )  # fmt: skip
         key = (r, b.dtype, m.dtype, with_scales)
-        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales))
+        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales, GRAM_PRECISION="tf32x3"))
     return out
