@@ -70,8 +70,8 @@ NORM_FWD = _pick(
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
-# The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): B G on 3-pass TF32 and the row-dot, per row
-# block; key ["r"]. BLOCK_J is the column block of B G, BLOCK_G its K step (K = r).
+# The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): B G on TF32 and the row-dot, per row block;
+# key ["r"]. BLOCK_J is the column block of B G, BLOCK_G its K step (K = r).
 NORM_FINISH = _pick(
     [
         triton.Config({"BLOCK_M": 64, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=4, num_stages=2),

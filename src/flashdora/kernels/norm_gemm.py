@@ -1,14 +1,12 @@
-"""Factored DoRA row norm for 16-bit weights: its two GEMMs on cuBLAS, everything else in one Triton epilogue.
+"""Factored DoRA row norm for 16-bit weights: its two big GEMMs on cuBLAS, everything else in one Triton epilogue.
 
-``||W + s B A||^2 = ||W||^2 + 2s <W A^T, B>_row + s^2 <B G, B>_row`` with ``G = A A^T`` (docs/math.md):
+``||W + s B A||^2 = ||W||^2 + 2s <W A^T, B>_row + s^2 <B G, B>_row`` with ``G = A A^T`` (docs/math.md), for the
+weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA matmul's own cast rounds it.
 
-1. ``_split_kernel``: ``A`` (any float dtype) as two bf16 halves, ``hi = bf16(A)`` and ``lo = bf16(A - hi)``.
-2. ``G = hi hi^T + hi lo^T + lo hi^T`` from one cuBLAS GEMM ``[hi; lo] hi^T`` (bf16 operands, fp32 out): the
-   "bf16x3" product, accurate to ~2^-16 relative, for a fraction of a split-K fp32 kernel's time.
-3. ``C = W A^T`` by cuBLAS on 16-bit operands (``A`` rounded to W's dtype, as the matmul's own cast would), fp32
-   out: the tensor cores at their GEMM rate, which our Triton GEMM reached only two thirds of on an H100.
-4. ``_finish_kernel``: per row block, ``B G`` (3-pass TF32, float32-accurate; K = r) and the row-dot of
-   ``2s C + s^2 B G`` with ``B``,
+1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
+2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
+   half of on an H100 (docs/decisions.md).
+3. ``_finish_kernel``, per row block: ``B G`` on TF32 (K = r), the row-dot of ``2s C + s^2 B G`` with ``B``,
    plus ``||W||^2`` (given: the norm cache keeps it per weight version), then the norm and DoRA's scales.
 
 ``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
@@ -22,21 +20,8 @@ import triton
 import triton.language as tl
 
 from flashdora.kernels import configs
-from flashdora.kernels.compose import _to_out
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
-
-
-@triton.jit
-def _split_kernel(p_a, p_out, n, EMULATE_RNE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[:n] = bf16(a)``, ``out[n:] = bf16(a - out[:n])`` over a flat ``a`` of ``n`` elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
-    a = tl.load(p_a + offs, mask=mask, other=0.0).to(tl.float32)
-    hi = _to_out(a, tl.bfloat16, EMULATE_RNE)
-    lo = _to_out(a - hi.to(tl.float32), tl.bfloat16, EMULATE_RNE)
-    tl.store(p_out + offs, hi, mask=mask)
-    tl.store(p_out + n + offs, lo, mask=mask)
 
 
 @triton.jit
@@ -60,8 +45,7 @@ def _finish_kernel(
     p_c, p_b, p_gram, p_wsq, p_m, p_out,
     rows, r, two_s, s_sq,
     stride_c, stride_bm, stride_br, stride_out,
-    WITH_SCALES: tl.constexpr, GRAM_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
+    WITH_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """Squared norms (or ``[norm; g; g - 1; 1 / norm]`` with WITH_SCALES) of BLOCK_M rows."""
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
@@ -79,7 +63,7 @@ def _finish_kernel(
             b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
             p_gk = p_gram + (k + offs_g)[:, None] * r + offs_j[None, :]
             b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-            bg = tl.dot(b_b, b_g, bg, input_precision=GRAM_PRECISION)
+            bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
         mask = mask_m[:, None] & mask_j[None, :]
         b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
         p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
@@ -106,22 +90,9 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.float(), y.float())
 
 
-def split_bf16(lora_A: torch.Tensor) -> torch.Tensor:
-    """``[2, r, d_in]`` bf16: ``hi = bf16(A)`` and ``lo = bf16(A - hi)`` (round to nearest even)."""
-    a = lora_A.detach()
-    a = a if a.is_contiguous() else a.contiguous()
-    out = torch.empty((2, *a.shape), dtype=torch.bfloat16, device=a.device)
-    n = a.numel()
-    block = 1024 if not configs.INTERPRETED else 256
-    _split_kernel[(triton.cdiv(n, block),)](a, out, n, EMULATE_RNE=configs.INTERPRETED, BLOCK=block)
-    return out
-
-
-def gram_bf16x3(split: torch.Tensor) -> torch.Tensor:
-    """``A A^T`` [r, r] float32 from ``split_bf16(A)``: ``hi hi^T + hi lo^T + lo hi^T`` (one GEMM)."""
-    r, d_in = split.shape[1:]
-    p = _mm_f32(split.view(2 * r, d_in), split[0].T)  # [2r, r]: hi hi^T over lo hi^T
-    return torch.add(p[:r], p[r:]).add_(p[r:].T)
+def gram(a: torch.Tensor) -> torch.Tensor:
+    """``a a^T`` ``[r, r]`` float32 of a 16-bit ``a`` (exact products, float32 sums)."""
+    return _mm_f32(a, a.T)
 
 
 def weight_sq(weight: torch.Tensor) -> torch.Tensor:
@@ -140,9 +111,8 @@ def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=No
     float32 ``[norm; g; g - 1; 1 / norm]`` (into ``out`` when given). ``w_sq``: a known ``||W||^2``."""
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
-    split = split_bf16(lora_A)
-    g = gram_bf16x3(split)
-    a = split[0] if weight.dtype == torch.bfloat16 else lora_A.detach().to(weight.dtype)  # [r, d_in]
+    a = lora_A.detach().to(weight.dtype)  # [r, d_in]
+    g = gram(a)
     w_sq = weight_sq(weight) if w_sq is None else w_sq
     with_scales = magnitude is not None
     if out is None:
@@ -161,5 +131,5 @@ def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=No
             c.stride(0), b.stride(0), b.stride(1), o.stride(0) if with_scales else 0,
         )  # fmt: skip
         key = (r, b.dtype, m.dtype, with_scales)
-        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales, GRAM_PRECISION="tf32x3"))
+        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales))
     return out
