@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdora import backend
 from flashdora.kernels import configs
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
@@ -108,7 +109,14 @@ def weight_sq(weight: torch.Tensor) -> torch.Tensor:
 
 def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=None) -> torch.Tensor:
     """Squared row norms ``[d_out]`` of ``W + s B A`` for a 16-bit ``weight``; with ``magnitude``, the ``[4, d_out]``
-    float32 ``[norm; g; g - 1; 1 / norm]`` (into ``out`` when given). ``w_sq``: a known ``||W||^2``."""
+    float32 ``[norm; g; g - 1; 1 / norm]`` (into ``out`` when given). ``w_sq``: a known ``||W||^2``.
+
+    Autocast is off inside: it would run the float32 matmuls of the CPU path in 16 bits."""
+    with backend.autocast_off(weight.device.type):
+        return _norm_half(weight, lora_A, lora_B, scaling, w_sq, magnitude, out)
+
+
+def _norm_half(weight, lora_A, lora_B, scaling, w_sq, magnitude, out) -> torch.Tensor:
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
