@@ -7,6 +7,7 @@
 #   e: (nvidia-h200) the qwen2.5-32b model benchmark
 #   f: after a norm change: its GPU tests, its pieces against the earlier kernel (carry .out/old_norm.py, from
 #      `git show 87cfff6:src/flashdora/kernels/norm.py`), the layer benchmark at r = 384, the 8B model benchmark
+#   h: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384
 #   g: the norm's GPU tests and pieces, the layer benchmark at r = 384, the 8B model benchmark and accumulation 4,
 #      each with 2 rounds
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -66,6 +67,12 @@ case "${1:-a}" in
     timeout 140 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --rounds 2 --out "$R"
     timeout 120 $fd bench model --preset llama3-8b --phases grad --grad-accum 4 --modes peft_lora flashdora \
       --rounds 2 --tag accum4 --out "$R"
+    ;;
+  h)
+    timeout 200 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops tests/test_peft_integration.py \
+      tests/test_compile.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$R/pytest_gpu.txt"
+    timeout 90 python3 benchmarks/norm_variants.py --out "$R" 2>&1 | tee "$R/norm_variants.txt"
+    timeout 150 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
     ;;
 esac
 tar -C "$OUT" -cf "$OUT/results.tar" results && rm -rf "$R"

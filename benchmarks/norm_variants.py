@@ -99,14 +99,13 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None):
     add("piece: cross term W a^T (cuBLAS, fp32 out)", ms(lambda: ng._mm_f32(w, a16.T)))
     add("piece: ||W||^2 (Triton row reduction)", ms(lambda: ng.weight_sq(w)))
     c = ng._mm_f32(w, a16.T)
-    out = torch.empty(d_out, device=DEV)
-    finish_args = (c, b, g, w_sq, w_sq, out, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), 0)
-    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
-    add(
-        "piece: Triton epilogue (B G on TF32, row-dot)",
-        ms(lambda: ng._finish_kernel[grid](*finish_args, WITH_SCALES=False)),
-    )
-    print("    autotuned config:", getattr(ng._finish_kernel, "best_config", None))
+    block_j = kn.configs.norm_block_r(r)
+    part = torch.empty((triton.cdiv(r, block_j), d_out), device=DEV)
+    epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), part.stride(0))
+    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
+    epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j)  # noqa: E731
+    add("piece: Triton epilogue (B G on TF32, row-dot)", ms(epilogue))
+    print("    autotuned config:", getattr(ng._epilogue_kernel, "best_config", None))
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, a16.T)))
     if old is not None:
         old_kernel_rows(old, w, a, b, ref, add)

@@ -145,7 +145,7 @@ def test_norm_every_config(d_out, d_in, r, w_dtype, device, poisoned_empty, one_
     off on an H100, unseen because the tests' shapes never chose it)."""
     from flashdora.kernels import norm, norm_gemm
 
-    kernel = norm_gemm._finish_kernel if w_dtype == torch.bfloat16 else norm._norm_fwd_kernel
+    kernel = norm_gemm._epilogue_kernel if w_dtype == torch.bfloat16 else norm._norm_fwd_kernel
     weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype, torch.float32, device)
     ref = row_norm_ref(weight.double(), lora_A.double(), lora_B.double(), 0.7)
     first = None

@@ -70,19 +70,18 @@ NORM_FWD = _pick(
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
-# The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): B G on TF32 and the row-dot, per row block;
-# key ["r"]. BLOCK_J is the column block of B G, BLOCK_G its K step (K = r).
-NORM_FINISH = _pick(
+# The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): a GEMM [rows, r] x [r, BLOCK_J] (B G on TF32)
+# with the row-dot in its epilogue; key ["r"]. BLOCK_J is norm_block_r's (it sets the partial rows), not tuned.
+NORM_EPILOGUE = _pick(
     [
-        triton.Config({"BLOCK_M": 64, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK_M": 128, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_J": 128, "BLOCK_G": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_J": 128, "BLOCK_G": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_J": 64, "BLOCK_G": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_J": 64, "BLOCK_G": 32}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 32, "BLOCK_J": 128, "BLOCK_G": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_M": 128, "BLOCK_G": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_G": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_G": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_G": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 256, "BLOCK_G": 32}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=4, num_stages=2),
     ],
-    triton.Config({"BLOCK_M": 16, "BLOCK_J": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
+    triton.Config({"BLOCK_M": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
 )
 NORM_GRAM_BLOCK_K = 32  # K step of the in-epilogue B_rows @ G[:, r-slice] product (K = r)
 NORM_SMEM_BYTES = 200 * 1024  # operand ring budget (H100 allows 227 KiB per block; the epilogue needs some too)

@@ -167,7 +167,7 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor
     """
     weight = _as_kernel_weight(weight)
     if weight.dtype in _HALF:
-        return norm_half(weight, lora_A, lora_B, scaling, w_sq)
+        return norm_half(weight, lora_A, lora_B, scaling, w_sq).sum(0)
     return _fused_partials(weight, lora_A, lora_B, scaling).sum(0) + (weight_sq(weight) if w_sq is None else w_sq)
 
 
@@ -213,8 +213,7 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
     """
     weight = _as_kernel_weight(weight)
     if weight.dtype in _HALF:
-        both = norm_half(weight, lora_A, lora_B, scaling, w_sq, magnitude, out)
-        return both[0], both[1:]
+        return _finish(norm_half(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
     part = _fused_partials(weight, lora_A, lora_B, scaling, extra_rows=1)
     part[-1] = weight_sq(weight) if w_sq is None else w_sq
     return _finish(part, magnitude, True, out)

@@ -6,8 +6,9 @@ weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA 
 1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
 2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
    half of on an H100 (docs/decisions.md).
-3. ``_finish_kernel``, per row block: ``B G`` on TF32 (K = r), the row-dot of ``2s C + s^2 B G`` with ``B``,
-   plus ``||W||^2`` (given: the norm cache keeps it per weight version), then the norm and DoRA's scales.
+3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
+   row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
+   version); ``kernels/norm.py`` sums the slices and computes the norm and DoRA's scales in one more launch.
 
 ``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
 ``ops/norm.py``. float32 weights take ``kernels/norm.py``'s fused kernel (float32-accurate TF32x3).
@@ -40,47 +41,41 @@ def _row_sq_kernel(p_w, p_out, d_out, d_in, stride_wm, stride_wk, BLOCK_M: tl.co
     tl.store(p_out + offs_m, tl.sum(acc, axis=1), mask=mask_m)
 
 
-@triton.autotune(configs=configs.NORM_FINISH, key=["r"])
+@triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"])
 @triton.jit(do_not_specialize=["rows"])
-def _finish_kernel(
-    p_c, p_b, p_gram, p_wsq, p_m, p_out,
+def _epilogue_kernel(
+    p_c, p_b, p_gram, p_wsq, p_part,
     rows, r, two_s, s_sq,
-    stride_c, stride_bm, stride_br, stride_out,
-    WITH_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
+    stride_c, stride_bm, stride_br, stride_part,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """Squared norms (or ``[norm; g; g - 1; 1 / norm]`` with WITH_SCALES) of BLOCK_M rows."""
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
-    mask_m = offs_m < rows
-    sq = tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)  # ||W_rows||^2, float32
-    offs_j0 = tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
+    """One [BLOCK_M rows, BLOCK_J slice of r] tile: ``T = 2s C + s^2 B G[:, slice]`` (a plain GEMM loop over K = r
+    on TF32) dotted with ``B[rows, slice]``; one partial squared norm per row and slice (slice 0 adds ``||W||^2``)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_j = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
     offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
-    for j in range(0, r, BLOCK_J):
-        offs_j = j + offs_j0
-        mask_j = offs_j < r
-        bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)  # (B G)[rows, j-block]
-        for k in range(0, r, BLOCK_G):
-            mask_k = (k + offs_g) < r
-            p_bk = p_b + offs_m[:, None] * stride_bm + (k + offs_g)[None, :] * stride_br
-            b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            p_gk = p_gram + (k + offs_g)[:, None] * r + offs_j[None, :]
-            b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-            bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
-        mask = mask_m[:, None] & mask_j[None, :]
-        b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
-        p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
-        b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
-        sq += tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)
-    if WITH_SCALES:  # ops.norm.scales: a zero row outputs its bias and gets no magnitude gradient
-        norm = tl.sqrt_rn(tl.maximum(sq, 0.0))
-        m = tl.load(p_m + offs_m, mask=mask_m, other=0.0).to(tl.float32)
-        positive = norm > 0.0
-        inv = tl.where(positive, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
-        tl.store(p_out + offs_m, norm, mask=mask_m)
-        tl.store(p_out + stride_out + offs_m, m * inv, mask=mask_m)
-        tl.store(p_out + 2 * stride_out + offs_m, tl.where(positive, (m - norm) * inv, -1.0), mask=mask_m)
-        tl.store(p_out + 3 * stride_out + offs_m, inv, mask=mask_m)
-    else:
-        tl.store(p_out + offs_m, sq, mask=mask_m)
+    mask_m = offs_m < rows
+    mask_j = offs_j < r
+    p_bk = p_b + offs_m[:, None] * stride_bm + offs_g[None, :] * stride_br  # [BLOCK_M, BLOCK_G]
+    p_gk = p_gram + offs_g[:, None] * r + offs_j[None, :]  # [BLOCK_G, BLOCK_J]
+    bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+    for k in range(0, r, BLOCK_G):
+        mask_k = (k + offs_g) < r
+        b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+        bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
+        p_bk += BLOCK_G * stride_br
+        p_gk += BLOCK_G * r
+    mask = mask_m[:, None] & mask_j[None, :]
+    b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
+    p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
+    b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
+    part = tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)  # [BLOCK_M]
+    if pid_j == 0:
+        part += tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)
+    tl.store(p_part + pid_j * stride_part + offs_m, part, mask=mask_m)
 
 
 def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -107,37 +102,33 @@ def weight_sq(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def norm_half(weight, lora_A, lora_B, scaling, w_sq=None, magnitude=None, out=None) -> torch.Tensor:
-    """Squared row norms ``[d_out]`` of ``W + s B A`` for a 16-bit ``weight``; with ``magnitude``, the ``[4, d_out]``
-    float32 ``[norm; g; g - 1; 1 / norm]`` (into ``out`` when given). ``w_sq``: a known ``||W||^2``.
+def norm_half(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor:
+    """``[n_slices, d_out]`` float32 partial squared row norms of ``W + s B A`` for a 16-bit ``weight`` (their column
+    sums are the squared norms; ``||W||^2`` is in slice 0). ``w_sq``: a known ``||W||^2``.
 
     Autocast is off inside: it would run the float32 matmuls of the CPU path in 16 bits."""
     with backend.autocast_off(weight.device.type):
-        return _norm_half(weight, lora_A, lora_B, scaling, w_sq, magnitude, out)
+        return _norm_half(weight, lora_A, lora_B, scaling, w_sq)
 
 
-def _norm_half(weight, lora_A, lora_B, scaling, w_sq, magnitude, out) -> torch.Tensor:
+def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
     g = gram(a)
     w_sq = weight_sq(weight) if w_sq is None else w_sq
-    with_scales = magnitude is not None
-    if out is None:
-        out = torch.empty((4, d_out) if with_scales else (d_out,), dtype=torch.float32, device=weight.device)
-    m = magnitude.detach() if with_scales else w_sq
+    block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
+    part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
         c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
         b = lora_B[i : i + rows]
-        o = out[:, i : i + rows] if with_scales else out[i : i + rows]
-        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]),)  # noqa: E731
+        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (
-            c, b, g, w_sq[i : i + rows], m[i : i + rows], o,
+            c, b, g, w_sq[i : i + rows], part[:, i : i + rows],
             rows, r, 2.0 * scaling, scaling * scaling,
-            c.stride(0), b.stride(0), b.stride(1), o.stride(0) if with_scales else 0,
+            c.stride(0), b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
-        key = (r, b.dtype, m.dtype, with_scales)
-        configs.launch(_finish_kernel, grid, key, args, dict(WITH_SCALES=with_scales))
-    return out
+        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
+    return part
