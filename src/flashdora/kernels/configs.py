@@ -80,6 +80,9 @@ NORM_EPILOGUE = _pick(
         triton.Config({"BLOCK_M": 64, "BLOCK_G": 64}, num_warps=4, num_stages=4),
         triton.Config({"BLOCK_M": 256, "BLOCK_G": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_M": 32, "BLOCK_G": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=2, num_stages=3),
+        triton.Config({"BLOCK_M": 16, "BLOCK_G": 32}, num_warps=2, num_stages=2),
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
 )
