@@ -179,3 +179,31 @@ def test_merge_combines_seeds_of_separate_runs(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"differs from .* in \['lr'\]"):
         main(["parity", "--merge", str(runs[1]), str(tmp_path / "other.json"), "--out", str(tmp_path)])
+
+
+def test_pretrained_start_trains_the_base_and_scales_lora_b(corpus, tmp_path):
+    from flashdora.parity_pretrain import _dora_layers, _weight_and_delta, pretrain_base, scale_adapters
+
+    batches = parity.sample_batches(corpus, 40, 4, SEQ, seed=10_000)
+    losses = []
+    pretrain = lambda base: losses.extend(pretrain_base(base, batches, 3e-3, False))  # noqa: E731
+    model = demo.build_peft_model("tiny", RANK, 0.05, "cpu", seed=0, prepare=pretrain)
+    assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3  # the base learned something
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)  # frozen by PEFT
+    factor = scale_adapters(model, 0.05)
+    ratios, layers = [], list(_dora_layers(model))
+    for module, adapter in layers:
+        weight, delta = _weight_and_delta(module, adapter)
+        ratios.append(delta.norm(dim=1) / weight.norm(dim=1))
+        magnitude = module.lora_magnitude_vector[adapter].weight
+        torch.testing.assert_close(magnitude, (weight + delta).norm(dim=1), rtol=1e-6, atol=0)  # g = 1
+    assert factor > 0 and torch.cat(ratios).median().item() == pytest.approx(0.05, rel=1e-5)
+    with pytest.raises(ValueError, match="ratio expected > 0"):
+        scale_adapters(model, 0.0)
+    assert main(["parity", *_argv(tmp_path), "--pretrain", "4", "--tag", "pre"]) == 0
+    record = json.loads(next(tmp_path.glob("*_cpu_parity-pre.json")).read_text())
+    (curve,) = record["curves"]
+    assert record["settings"]["pretrain"] == 4 and record["settings"]["lora_b_ratio"] == 0.07
+    assert len(curve["pretrain_loss"]) == 2 and curve["lora_b_factor"] > 0
+    with pytest.raises(SystemExit, match="--lora-b-ratio and --pretrain-lr expected > 0"):
+        main(["parity", *_argv(tmp_path), "--pretrain", "2", "--lora-b-ratio", "0"])

@@ -28,8 +28,11 @@ SIZES = {
 }
 
 
-def build_peft_model(size: str, rank: int, dropout: float, device, seed: int = 0, dtype=torch.float32):
-    """A random Llama of ``SIZES[size]`` with PEFT DoRA on all linear projections (lora_B non-zero)."""
+def build_peft_model(size: str, rank: int, dropout: float, device, seed: int = 0, dtype=torch.float32, prepare=None):
+    """A random Llama of ``SIZES[size]`` with PEFT DoRA on all linear projections (lora_B non-zero).
+
+    ``prepare(base)``, when given, runs on the base model before the adapters are attached (e.g. pretraining).
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,6 +48,8 @@ def build_peft_model(size: str, rank: int, dropout: float, device, seed: int = 0
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    if prepare is not None:
+        prepare(model)
     lora = LoraConfig(
         r=rank,
         lora_alpha=2 * rank,

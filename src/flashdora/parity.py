@@ -236,6 +236,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
         "chaotic training reaches between two runs of the same model (takes half as long again)",
     )
+    parser.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
+        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/decisions.md)",
+    )
+    parser.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
+    parser.add_argument(
+        "--lora-b-ratio",
+        type=float,
+        default=0.07,
+        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
+    )
     parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64 CPU, 512 CUDA)")
@@ -268,14 +283,21 @@ def _settings(args: argparse.Namespace) -> dict:
     for name in ("steps", "seeds", "rank", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"flashdora parity: --{name} expected >= 1, got {getattr(args, name)}")
-    if args.first_seed < 0:
-        raise SystemExit(f"flashdora parity: --first-seed expected >= 0, got {args.first_seed}")
+    for name in ("first_seed", "pretrain"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"flashdora parity: --{name.replace('_', '-')} expected >= 0, got {getattr(args, name)}")
+    if not (args.lora_b_ratio > 0 and args.pretrain_lr > 0):
+        raise SystemExit(f"flashdora parity: --lora-b-ratio and --pretrain-lr expected > 0, got {args.lora_b_ratio}, "
+                         f"{args.pretrain_lr}")  # fmt: skip
+    pretrain = {"pretrain_lr": args.pretrain_lr, "lora_b_ratio": args.lora_b_ratio} if args.pretrain else {}
     return {
         "size": args.size or ("wide" if cuda else "tiny"),
         "steps": args.steps,
         "seeds": args.seeds,
         "first_seed": args.first_seed,
         "floor": args.floor,
+        "pretrain": args.pretrain,
+        **pretrain,
         "rank": args.rank,
         "dropout": args.dropout,
         "seq": args.seq or (512 if cuda else 64),
@@ -289,15 +311,31 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _train_seed(s: dict, seed: int, progress) -> dict[str, list[float]]:
-    """One seed's training comparison: ``{"seed", "peft", "flashdora"[, "peft_floor"]}`` loss curves.
+    """One seed's training comparison: ``{"seed", "peft", "flashdora"[, "peft_floor"]}`` loss curves (with
+    ``--pretrain``, also the pretraining's first and last loss and the factor applied to ``lora_B``).
 
     ``progress.step(seed, peft_loss, flash_loss)`` after each step.
     """
-    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed)
+    autocast, extra, prepare = s["dtype"] == "autocast", {}, None
+    if s["pretrain"]:
+        from flashdora.parity_pretrain import pretrain_base
+
+        pre = sample_batches(stdlib_corpus(), s["pretrain"], s["batch"], s["seq"], seed + 10_000)
+        pre = [b.to(s["device"]) for b in pre]
+
+        def prepare(base):
+            losses = pretrain_base(base, pre, s["pretrain_lr"], autocast)
+            extra["pretrain_loss"] = [losses[0], losses[-1]]
+
+    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed, prepare=prepare)
+    if s["pretrain"]:
+        from flashdora.parity_pretrain import scale_adapters
+
+        extra["lora_b_factor"] = scale_adapters(model, s["lora_b_ratio"])
     batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
     report = lambda _, p, f: progress.step(seed, p, f)  # noqa: E731
-    losses = train_pair(model, batches, s["lr"], s["dtype"] == "autocast", seed, report, floor=s["floor"])
-    return {"seed": seed, **dict(zip(("peft", "flashdora", "peft_floor"), losses))}
+    losses = train_pair(model, batches, s["lr"], autocast, seed, report, floor=s["floor"])
+    return {"seed": seed, **dict(zip(("peft", "flashdora", "peft_floor"), losses)), **extra}
 
 
 class _Progress:
@@ -341,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"flashdora parity: Llama-style '{s['size']}', DoRA r={s['rank']}, dropout {s['dropout']}, {s['steps']} "
         f"steps x {s['seeds']} seed(s) of {s['batch']}x{s['seq']} byte tokens, {s['dtype']}, on {s['device']}"
+        + (f"; base pretrained {s['pretrain']} steps first" if s["pretrain"] else "")
     )
     model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=0)
     s["params"] = {

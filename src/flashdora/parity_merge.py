@@ -9,7 +9,10 @@ from pathlib import Path
 from flashdora.bench import record
 from flashdora.parity import checks, summarize_training
 
-_SAME_SETTINGS = ("size", "steps", "rank", "dropout", "seq", "batch", "lr", "dtype", "floor", "device")
+_SAME_SETTINGS = (
+    "size", "steps", "rank", "dropout", "seq", "batch", "lr", "dtype", "floor", "device", "pretrain", "pretrain_lr",
+    "lora_b_ratio",
+)  # fmt: skip
 
 
 def merge(paths: list[str], args: argparse.Namespace) -> dict:
