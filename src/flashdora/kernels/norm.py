@@ -131,9 +131,9 @@ def gram(lora_A: torch.Tensor) -> torch.Tensor:
     return part.sum(0)
 
 
-def _fused_partials(weight, lora_A, lora_B, scaling, extra_rows: int = 0) -> torch.Tensor:
-    """``[n_slices + extra_rows, d_out]`` float32: the fused kernel's per-r-slice sums of the cross and Gram terms
-    (float32 ``weight``: ``tf32x3`` throughout); the ``extra_rows`` at the end are left for the caller to fill."""
+def _fused_partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
+    """``[n_slices + 1, d_out]`` float32 partial squared norms of a float32 ``weight``: the fused kernel's per-r-slice
+    sums of the cross and Gram terms (``tf32x3`` throughout), then ``||W||^2`` as the last row."""
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     assert lora_A.shape == (r, d_in) and lora_B.shape == (d_out, r)
@@ -143,7 +143,7 @@ def _fused_partials(weight, lora_A, lora_B, scaling, extra_rows: int = 0) -> tor
     g = gram(lora_A)  # [r, r], symmetric
     block_r = configs.norm_block_r(r)
     n_slices = triton.cdiv(r, block_r)
-    part = torch.empty((n_slices + extra_rows, d_out), dtype=torch.float32, device=weight.device)
+    part = torch.empty((n_slices + 1, d_out), dtype=torch.float32, device=weight.device)
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]) * n_slices,)
     args = (
         weight, a, b, g, part,
@@ -152,23 +152,27 @@ def _fused_partials(weight, lora_A, lora_B, scaling, extra_rows: int = 0) -> tor
     )  # fmt: skip
     flags = dict(BLOCK_R=block_r, BLOCK_G=configs.NORM_GRAM_BLOCK_K)
     configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r, weight.dtype, b.dtype), args, flags)
+    part[-1] = w_sq
     return part
 
 
-def _as_kernel_weight(weight: torch.Tensor) -> torch.Tensor:
-    return weight if weight.dtype in (*_HALF, torch.float32) else weight.float()  # float64 (references)
+def _partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
+    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` (their column sums are the squared norms,
+    ``||W||^2`` included): ``norm_gemm`` for 16-bit ``weight`` (the GEMMs on cuBLAS, one Triton epilogue), the fused
+    kernel above for float32, float32-accurate (3-pass TF32). ``w_sq``: a known ``||W||^2``, else computed here."""
+    weight = weight if weight.dtype in (*_HALF, torch.float32) else weight.float()  # float64 (references)
+    w_sq = weight_sq(weight) if w_sq is None else w_sq
+    if weight.dtype in _HALF:
+        return norm_half(weight, lora_A, lora_B, scaling, w_sq)
+    return _fused_partials(weight, lora_A, lora_B, scaling, w_sq)
 
 
 def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor:
     """Triton ``norm_sq_eager``: ``[d_out]`` float32 squared row norms of ``W + s B A``, not clamped.
 
-    16-bit ``weight``: ``norm_gemm`` (the GEMMs on cuBLAS, one Triton epilogue). float32 ``weight``: the fused kernel
-    above, float32-accurate (3-pass TF32). ``w_sq``: a known ``||W||^2`` (the norm cache's), else computed here.
+    ``w_sq``: a known ``||W||^2`` (the norm cache's), else computed here.
     """
-    weight = _as_kernel_weight(weight)
-    if weight.dtype in _HALF:
-        return norm_half(weight, lora_A, lora_B, scaling, w_sq).sum(0)
-    return _fused_partials(weight, lora_A, lora_B, scaling).sum(0) + (weight_sq(weight) if w_sq is None else w_sq)
+    return _partials(weight, lora_A, lora_B, scaling, w_sq).sum(0)
 
 
 @triton.jit
@@ -211,12 +215,7 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
     CPU, not the GPU, pays for at ordinary layer sizes (docs/decisions.md). ``out``: a ``[4, d_out]`` float32
     buffer to write ``norm`` (row 0) and the scales (rows 1-3) into. ``w_sq``: a known ``||W||^2``.
     """
-    weight = _as_kernel_weight(weight)
-    if weight.dtype in _HALF:
-        return _finish(norm_half(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
-    part = _fused_partials(weight, lora_A, lora_B, scaling, extra_rows=1)
-    part[-1] = weight_sq(weight) if w_sq is None else w_sq
-    return _finish(part, magnitude, True, out)
+    return _finish(_partials(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
 
 
 _GRAPH_POOLS: dict[int, tuple] = {}

@@ -112,9 +112,9 @@ def weight_sq(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def norm_half(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor:
+def norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     """``[n_slices, d_out]`` float32 partial squared row norms of ``W + s B A`` for a 16-bit ``weight`` (their column
-    sums are the squared norms; ``||W||^2`` is in slice 0). ``w_sq``: a known ``||W||^2``.
+    sums are the squared norms; ``w_sq``, ``||W||^2``, is added in slice 0).
 
     Autocast is off inside: it would run the float32 matmuls of the CPU path in 16 bits."""
     with backend.autocast_off(weight.device.type):
@@ -126,7 +126,6 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     r = lora_A.shape[0]
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
     g = gram(a)
-    w_sq = weight_sq(weight) if w_sq is None else w_sq
     block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
     part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // r)
