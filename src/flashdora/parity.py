@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import flashdora
-from flashdora import demo
+from flashdora import demo, parity_pretrain
 from flashdora.bench import record
 from flashdora.parity_render import LOSS_BAR, print_summary, render_markdown, render_png
 
@@ -236,21 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
         "chaotic training reaches between two runs of the same model (takes half as long again)",
     )
-    parser.add_argument(
-        "--pretrain",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
-        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/decisions.md)",
-    )
-    parser.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
-    parser.add_argument(
-        "--lora-b-ratio",
-        type=float,
-        default=0.07,
-        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
-    )
+    parity_pretrain.add_arguments(parser)
     parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
     parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64 CPU, 512 CUDA)")
@@ -316,22 +302,9 @@ def _train_seed(s: dict, seed: int, progress) -> dict[str, list[float]]:
 
     ``progress.step(seed, peft_loss, flash_loss)`` after each step.
     """
-    autocast, extra, prepare = s["dtype"] == "autocast", {}, None
-    if s["pretrain"]:
-        from flashdora.parity_pretrain import pretrain_base
-
-        pre = sample_batches(stdlib_corpus(), s["pretrain"], s["batch"], s["seq"], seed + 10_000)
-        pre = [b.to(s["device"]) for b in pre]
-
-        def prepare(base):
-            losses = pretrain_base(base, pre, s["pretrain_lr"], autocast)
-            extra["pretrain_loss"] = [losses[0], losses[-1]]
-
-    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed, prepare=prepare)
-    if s["pretrain"]:
-        from flashdora.parity_pretrain import scale_adapters
-
-        extra["lora_b_factor"] = scale_adapters(model, s["lora_b_ratio"])
+    autocast = s["dtype"] == "autocast"
+    pre = sample_batches(stdlib_corpus(), s["pretrain"], s["batch"], s["seq"], seed + 10_000) if s["pretrain"] else []
+    model, extra = parity_pretrain.start_model(s, seed, [b.to(s["device"]) for b in pre])
     batches = [b.to(s["device"]) for b in sample_batches(stdlib_corpus(), s["steps"], s["batch"], s["seq"], seed)]
     report = lambda _, p, f: progress.step(seed, p, f)  # noqa: E731
     losses = train_pair(model, batches, s["lr"], autocast, seed, report, floor=s["floor"])

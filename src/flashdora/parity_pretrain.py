@@ -8,10 +8,48 @@ is a small correction. So: train the base first (all parameters), attach DoRA, a
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
 from peft.tuners.lora.layer import LoraLayer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
+        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/decisions.md)",
+    )
+    parser.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
+    parser.add_argument(
+        "--lora-b-ratio",
+        type=float,
+        default=0.07,
+        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
+    )
+
+
+def start_model(s: dict, seed: int, batches: list[torch.Tensor]) -> tuple[torch.nn.Module, dict]:
+    """A seed's PEFT DoRA model for ``flashdora parity`` (settings ``s``): random, or with ``s["pretrain"]`` pretrained
+    on ``batches`` first and ``lora_B`` scaled. Returns it and what to record beside the curves (the pretraining's
+    first and last loss, the factor applied to ``lora_B``)."""
+    from flashdora import demo
+
+    extra, prepare = {}, None
+    if s["pretrain"]:
+
+        def prepare(base):
+            losses = pretrain_base(base, batches, s["pretrain_lr"], s["dtype"] == "autocast")
+            extra["pretrain_loss"] = [losses[0], losses[-1]]
+
+    model = demo.build_peft_model(s["size"], s["rank"], s["dropout"], s["device"], seed=seed, prepare=prepare)
+    if s["pretrain"]:
+        extra["lora_b_factor"] = scale_adapters(model, s["lora_b_ratio"])
+    return model, extra
 
 
 def pretrain_base(model: torch.nn.Module, batches: list[torch.Tensor], lr: float, autocast: bool) -> list[float]:
