@@ -10,6 +10,8 @@
 #   h: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384
 #   g: the norm's GPU tests and pieces, the layer benchmark at r = 384, the 8B model benchmark and accumulation 4,
 #      each with 2 rounds
+#   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
+#      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHDORA_DIRTY=${FLASHDORA_DIRTY:-0}
@@ -67,6 +69,12 @@ case "${1:-a}" in
     timeout 140 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --rounds 2 --out "$R"
     timeout 120 $fd bench model --preset llama3-8b --phases grad --grad-accum 4 --modes peft_lora flashdora \
       --rounds 2 --tag accum4 --out "$R"
+    ;;
+  p)
+    seed=${2:?usage: gpu_run.sh p SEED}
+    timeout 580 $fd parity --pretrain 800 --rank 384 --dropout 0.05 --dtype autocast --steps 2000 --seeds 1 \
+      --first-seed "$seed" --batch 8 --seq 512 --lr 1e-4 --floor --tag "2000p-s$seed" --out "$R" 2>&1 \
+      | tee "$R/parity-s$seed.txt"
     ;;
   h)
     timeout 200 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops tests/test_peft_integration.py \
