@@ -6,7 +6,10 @@ Gram GEMM, the cross-term GEMM, the Triton epilogue, ``||W||^2``), and with ``--
 of an earlier commit, e.g. ``git show 87cfff6:src/flashdora/kernels/norm.py``) that kernel over a sweep of tile
 configs, with and without its in-loop ``||W||^2``. ``err``: max relative error of the squared norms against float64.
 
-Usage (GPU): PYTHONPATH=src python3 benchmarks/norm_variants.py [--shapes 8192x28672 4096x14336] [--old F] [--out D]
+``--sweep`` adds the epilogue over tile configs, both grid orders and the symmetric-Gram form, and the Gram over d_in splits.
+
+Usage (GPU): PYTHONPATH=src python3 benchmarks/norm_variants.py [--shapes 8192x28672 4096x14336] [--old F] [--sweep]
+[--out D]
 """
 
 import argparse
@@ -30,6 +33,14 @@ OLD_SWEEP = [
         (256, 32, 8, 5),
     ]
 ]  # fmt: skip
+EPILOGUE_SWEEP = [
+    dict(BLOCK_M=bm, BLOCK_G=bg, num_warps=wp, num_stages=st)
+    for bm, bg, wp, st in [
+        (16, 32, 2, 2), (32, 32, 2, 3), (32, 32, 4, 2), (32, 64, 4, 3), (64, 32, 2, 3), (64, 32, 4, 3),
+        (64, 64, 4, 4), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
+    ]
+]  # fmt: skip
+GRAM_SPLITS = [1, 4, 8, 16, 32]
 
 
 def ms(fn, reps=50):
@@ -67,7 +78,34 @@ def old_kernel_rows(old, w, a, b, ref, add):
             add(f"old kernel {cfg} in-loop ||W||^2={fuse}", t, sq)
 
 
-def shape_rows(d_in, d_out, r, gemm_tflops, old=None):
+def sweep_rows(epi_args, part, block_j, d_out, r, a16, add):
+    """The epilogue over a sweep of tile configs, grid orders and the symmetric-Gram form (its row sums checked
+    against the autotuned kernel's), and the Gram GEMM over d_in splits."""
+    want = part.clone()
+    for cfg in EPILOGUE_SWEEP:
+        for j_first, sym in ((True, True), (True, False), (False, False)):
+            n_m, n_j = triton.cdiv(d_out, cfg["BLOCK_M"]), triton.cdiv(r, block_j)
+            grid = (n_j, n_m) if j_first else (n_m, n_j)
+
+            def run(cfg=cfg, j_first=j_first, sym=sym, grid=grid):
+                ng._epilogue_kernel.fn[grid](*epi_args, BLOCK_J=block_j, J_FIRST=j_first, SYM=sym, **cfg)
+
+            part.fill_(float("nan"))
+            try:
+                t = ms(run, reps=30)
+            except Exception as e:  # noqa: BLE001
+                print("config failed", cfg, j_first, sym, type(e).__name__, str(e)[:100])
+                continue
+            diff = ((part.sum(0) - want.sum(0)).abs().max() / want.sum(0).abs().max()).item()
+            add(f"epilogue {tuple(cfg.values())} j_first={j_first:d} sym={sym:d} (diff {diff:.0e})", t)
+    splits0 = ng._GRAM_SPLITS
+    for splits in GRAM_SPLITS:
+        ng._GRAM_SPLITS = splits
+        add(f"piece: Gram, {splits} d_in splits", ms(lambda: ng.gram(a16)))
+    ng._GRAM_SPLITS = splits0
+
+
+def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     flops = 2 * d_out * d_in * r
     rate = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
     torch.manual_seed(0)
@@ -102,11 +140,13 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None):
     block_j = kn.configs.norm_block_r(r)
     part = torch.empty((triton.cdiv(r, block_j), d_out), device=DEV)
     epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), part.stride(0))
-    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(r, block_j), triton.cdiv(d_out, meta["BLOCK_M"]))  # noqa: E731
     epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j)  # noqa: E731
     add("piece: Triton epilogue (B G on TF32, row-dot)", ms(epilogue))
     print("    autotuned config:", getattr(ng._epilogue_kernel, "best_config", None))
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, a16.T)))
+    if sweep:
+        sweep_rows(epi_args, part, block_j, d_out, r, a16, add)
     if old is not None:
         old_kernel_rows(old, w, a, b, ref, add)
     return rows
@@ -131,6 +171,7 @@ if __name__ == "__main__":
     p.add_argument("--shapes", nargs="+", default=["8192x28672", "4096x14336", "4096x4096"])
     p.add_argument("--rank", type=int, default=384)
     p.add_argument("--old", default=None, help="an earlier kernels/norm.py to sweep (first two shapes)")
+    p.add_argument("--sweep", action="store_true", help="epilogue configs, grid orders, Gram splits (first two shapes)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     gemm = timing.gemm_tflops(DEV, n=8192 if DEV == "cuda" else 256)
@@ -140,7 +181,7 @@ if __name__ == "__main__":
     rows = []
     for i, s in enumerate(args.shapes):
         d_in, d_out = (int(v) for v in s.split("x"))
-        rows += shape_rows(d_in, d_out, args.rank, gemm, old if i < 2 else None)
+        rows += shape_rows(d_in, d_out, args.rank, gemm, old if i < 2 else None, args.sweep and i < 2)
     if args.out:
         with open(f"{args.out}/norm_variants.json", "w") as f:
             json.dump({"gemm_tflops": gemm, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
