@@ -141,7 +141,7 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     part = torch.empty((triton.cdiv(r, block_j), d_out), device=DEV)
     epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), part.stride(0))
     grid = lambda meta: (triton.cdiv(r, block_j), triton.cdiv(d_out, meta["BLOCK_M"]))  # noqa: E731
-    epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j)  # noqa: E731
+    epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j, J_FIRST=True, SYM=True)  # noqa: E731
     add("piece: Triton epilogue (B G on TF32, row-dot)", ms(epilogue))
     print("    autotuned config:", getattr(ng._epilogue_kernel, "best_config", None))
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, a16.T)))

@@ -162,6 +162,20 @@ def _specialization(args: tuple) -> tuple:
     )  # fmt: skip
 
 
+def _check_complete(kernel, args: tuple, flags: dict) -> None:
+    """Every parameter after ``args`` must come from ``flags``, the tuned config or a heuristic: the direct launch
+    passes them by name and knows no signature defaults (checked on the first call of a key, on every machine)."""
+    fn = kernel.fn
+    given = {*flags, *kernel.configs[0].all_kwargs(), *getattr(fn, "values", {})}
+    missing = [name for name in fn.arg_names[len(args) :] if name not in given]
+    if missing:
+        inner = fn
+        while hasattr(inner, "fn"):
+            inner = inner.fn
+        name = getattr(inner, "__name__", type(inner).__name__)
+        raise TypeError(f"configs.launch: {name} needs {missing} in flags (a direct launch knows no defaults)")
+
+
 def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     """``kernel[grid](*args, **flags)`` for an autotuned ``kernel``, at a fraction of the host cost once warm.
 
@@ -174,6 +188,7 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     tuned_key = (id(kernel), key)
     config = _TUNED.get(tuned_key)
     if config is None:
+        _check_complete(kernel, args, flags)
         kernel[grid](*args, **flags)
         if INTERPRETED:
             return

@@ -49,8 +49,7 @@ def _epilogue_kernel(
     p_c, p_b, p_gram, p_wsq, p_part,
     rows, r, two_s, s_sq,
     stride_c, stride_bm, stride_br, stride_part,
-    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr, J_FIRST: tl.constexpr = True,
-    SYM: tl.constexpr = True,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr, J_FIRST: tl.constexpr, SYM: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M rows, BLOCK_J slice of r] tile: ``T = 2s C + s^2 B G[:, slice]`` (a plain GEMM loop over K = r
     on TF32) dotted with ``B[rows, slice]``; one partial squared norm per row and slice (slice 0 adds ``||W||^2``).
@@ -150,5 +149,5 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
             rows, r, 2.0 * scaling, scaling * scaling,
             c.stride(0), b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
-        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
+        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j, J_FIRST=True, SYM=True))
     return part
