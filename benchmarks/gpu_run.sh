@@ -10,7 +10,7 @@
 #   h: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384
 #   g: the norm's GPU tests and pieces, the layer benchmark at r = 384, the 8B model benchmark and accumulation 4,
 #      each with 2 rounds
-#   s: the norm's GPU tests, its pieces with the epilogue/Gram sweep, and a kernel profile of 4 qwen2.5-32b layers
+#   s: the norm's pieces with the epilogue/Gram sweep; kernels, host ops and Python of 4 qwen2.5-32b layers
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -72,12 +72,10 @@ case "${1:-a}" in
       --rounds 2 --tag accum4 --out "$R"
     ;;
   s)
-    timeout 150 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops/test_norm_cache.py -q -p no:cacheprovider \
-      2>&1 | tail -8 | tee "$R/pytest_gpu.txt"
-    timeout 200 python3 benchmarks/norm_variants.py --shapes 8192x28672 4096x14336 5120x27648 4096x4096 --sweep \
-      --out "$R" 2>&1 | tee "$R/norm_variants.txt"
-    timeout 150 python3 benchmarks/profile_model.py --preset qwen2.5-32b --layers 4 --phases grad --top 30 2>&1 \
-      | tee "$R/profile_qwen.txt"
+    timeout 150 python3 benchmarks/norm_variants.py --shapes 8192x28672 4096x14336 --sweep --out "$R" 2>&1 \
+      | tee "$R/norm_variants.txt"
+    timeout 300 python3 benchmarks/profile_model.py --preset qwen2.5-32b --layers 4 --phases grad --top 30 --cprofile \
+      --cpu-ops 2>&1 | tee "$R/profile_qwen.txt"
     ;;
   p)
     seed=${2:?usage: gpu_run.sh p SEED}

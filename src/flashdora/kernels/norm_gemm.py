@@ -25,7 +25,6 @@ from flashdora.kernels import configs
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
 _GRAM_SPLITS = 16  # d_in splits of the Gram GEMM on CUDA
-_MAX_ROWS = 1 << 20  # rows per chunk: the row blocks (>= 16 rows each) stay within grid axis 1's 65535
 
 
 @triton.jit
@@ -49,33 +48,24 @@ def _epilogue_kernel(
     p_c, p_b, p_gram, p_wsq, p_part,
     rows, r, two_s, s_sq,
     stride_c, stride_bm, stride_br, stride_part,
-    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr, J_FIRST: tl.constexpr, SYM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M rows, BLOCK_J slice of r] tile: ``T = 2s C + s^2 B G[:, slice]`` (a plain GEMM loop over K = r
-    on TF32) dotted with ``B[rows, slice]``; one partial squared norm per row and slice (slice 0 adds ``||W||^2``).
-
-    ``J_FIRST``: grid axis 0 walks the r-slices, so the programs of one row block run side by side and read its rows
-    of ``B`` from HBM once between them (L2 serves the others); otherwise axis 0 walks the row blocks.
-    ``SYM``: ``G`` is symmetric, so ``<B G, B>_row`` needs only the blocks of ``G`` on and below the diagonal:
-    slice j sums K from j's own block on, the diagonal block at half weight, and counts the result twice.
-    """
-    pid_j = tl.program_id(0 if J_FIRST else 1).to(tl.int64)
-    pid_m = tl.program_id(1 if J_FIRST else 0).to(tl.int64)
+    on TF32) dotted with ``B[rows, slice]``; one partial squared norm per row and slice (slice 0 adds ``||W||^2``)."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_j = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
     offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
+    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
     mask_m = offs_m < rows
     mask_j = offs_j < r
-    k0 = pid_j * BLOCK_J if SYM else 0
-    offs_g = k0 + tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
     p_bk = p_b + offs_m[:, None] * stride_bm + offs_g[None, :] * stride_br  # [BLOCK_M, BLOCK_G]
     p_gk = p_gram + offs_g[:, None] * r + offs_j[None, :]  # [BLOCK_G, BLOCK_J]
     bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
-    for k in range(k0, r, BLOCK_G):
-        mask_k = (k - k0 + offs_g) < r
+    for k in range(0, r, BLOCK_G):
+        mask_k = (k + offs_g) < r
         b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-        if SYM:
-            b_g = b_g * tl.where(k < k0 + BLOCK_J, 0.5, 1.0)
         bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
         p_bk += BLOCK_G * stride_br
         p_gk += BLOCK_G * r
@@ -83,7 +73,7 @@ def _epilogue_kernel(
     b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
     p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
     b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
-    part = tl.sum((two_s * b_c + (2.0 * s_sq if SYM else s_sq) * bg) * b_bj, axis=1)  # [BLOCK_M]
+    part = tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)  # [BLOCK_M]
     if pid_j == 0:
         part += tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)
     tl.store(p_part + pid_j * stride_part + offs_m, part, mask=mask_m)
@@ -138,16 +128,16 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     g = gram(a)
     block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
     part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
-    chunk = min(max(1, _CHUNK_ELEMENTS // r), _MAX_ROWS)
+    chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
         c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
         b = lora_B[i : i + rows]
-        grid = lambda meta, rows=rows: (triton.cdiv(r, block_j), triton.cdiv(rows, meta["BLOCK_M"]))  # noqa: E731
+        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (
             c, b, g, w_sq[i : i + rows], part[:, i : i + rows],
             rows, r, 2.0 * scaling, scaling * scaling,
             c.stride(0), b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
-        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j, J_FIRST=True, SYM=True))
+        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
     return part
