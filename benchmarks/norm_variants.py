@@ -6,9 +6,9 @@ Gram GEMM, the cross-term GEMM, the Triton epilogue, ``||W||^2``), and with ``--
 of an earlier commit, e.g. ``git show 87cfff6:src/flashdora/kernels/norm.py``) that kernel over a sweep of tile
 configs, with and without its in-loop ``||W||^2``. ``err``: max relative error of the squared norms against float64.
 
-``--sweep`` adds the epilogue over tile configs, and the whole norm's graph replay with the Gram over several d_in
-splits. (Sixth session: a grid walking the r-slices first, and a symmetric-Gram form, were swept and dropped; see
-``*_norm-variants-0b1f414.txt``.)
+``--sweep`` adds the epilogue over tile configs. (Sixth session: a grid walking the r-slices first and a
+symmetric-Gram form were swept and dropped, ``*_norm-variants-0b1f414.txt``; so was the Gram as a split-K batched
+GEMM, ``*_norm-variants-ce08e82.txt``.)
 
 Usage (GPU): PYTHONPATH=src python3 benchmarks/norm_variants.py [--shapes 8192x28672 4096x14336] [--old F] [--sweep]
 [--out D]
@@ -42,7 +42,6 @@ EPILOGUE_SWEEP = [
         (64, 64, 4, 4), (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (256, 32, 8, 3),
     ]
 ]  # fmt: skip
-GRAM_SPLITS = [1, 4, 16]
 
 
 def ms(fn, reps=50):
@@ -80,9 +79,8 @@ def old_kernel_rows(old, w, a, b, ref, add):
             add(f"old kernel {cfg} in-loop ||W||^2={fuse}", t, sq)
 
 
-def sweep_rows(epi_args, part, block_j, d_out, r, w, a, b, m, w_sq, add):
-    """The epilogue over a sweep of tile configs (its row sums checked against the autotuned kernel's), and the
-    whole norm's CUDA-graph replay with the Gram GEMM split over d_in in several ways."""
+def sweep_rows(epi_args, part, block_j, d_out, r, add):
+    """The epilogue over a sweep of tile configs (its row sums checked against the autotuned kernel's)."""
     want = part.clone()
     grid = lambda cfg: (triton.cdiv(d_out, cfg["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
     for cfg in EPILOGUE_SWEEP:
@@ -94,13 +92,6 @@ def sweep_rows(epi_args, part, block_j, d_out, r, w, a, b, m, w_sq, add):
             continue
         diff = ((part.sum(0) - want.sum(0)).abs().max() / want.sum(0).abs().max()).item()
         add(f"epilogue {tuple(cfg.values())} (diff {diff:.0e})", t)
-    splits0 = ng._GRAM_SPLITS
-    for splits in GRAM_SPLITS if DEV == "cuda" else []:
-        ng._GRAM_SPLITS = splits
-        graph = kn.NormGraph(w, a, b, 1.0, m, w_sq)
-        add(f"graph replay, Gram in {splits} d_in splits", ms(lambda graph=graph: graph.graph.replay()),
-            graph().square()[0])  # fmt: skip
-    ng._GRAM_SPLITS = splits0
 
 
 def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
@@ -144,7 +135,7 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     print("    autotuned config:", getattr(ng._epilogue_kernel, "best_config", None))
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, a16.T)))
     if sweep:
-        sweep_rows(epi_args, part, block_j, d_out, r, w, a, b, m, w_sq, add)
+        sweep_rows(epi_args, part, block_j, d_out, r, add)
     if old is not None:
         old_kernel_rows(old, w, a, b, ref, add)
     return rows
@@ -169,7 +160,7 @@ if __name__ == "__main__":
     p.add_argument("--shapes", nargs="+", default=["8192x28672", "4096x14336", "4096x4096"])
     p.add_argument("--rank", type=int, default=384)
     p.add_argument("--old", default=None, help="an earlier kernels/norm.py to sweep (first two shapes)")
-    p.add_argument("--sweep", action="store_true", help="epilogue configs and Gram splits (first two shapes)")
+    p.add_argument("--sweep", action="store_true", help="epilogue tile configs (first two shapes)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     gemm = timing.gemm_tflops(DEV, n=8192 if DEV == "cuda" else 256)

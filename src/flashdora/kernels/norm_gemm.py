@@ -24,7 +24,6 @@ from flashdora import backend
 from flashdora.kernels import configs
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
-_GRAM_SPLITS = 16  # d_in splits of the Gram GEMM on CUDA
 
 
 @triton.jit
@@ -88,17 +87,12 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def gram(a: torch.Tensor) -> torch.Tensor:
-    """``a a^T`` ``[r, r]`` float32 of a 16-bit ``a`` (exact products, float32 sums).
+    """``a a^T`` ``[r, r]`` float32 of a 16-bit ``a`` (exact products, float32 sums), one cuBLAS GEMM on CUDA.
 
-    On CUDA split over d_in into a batched GEMM and summed: one ``[r, r]`` output over a long K keeps few of the
-    GPU's multiprocessors busy (0.04-0.07 ms at r = 384, d_in = 8192 on an H100 as one GEMM).
+    (A 4- or 16-way split over d_in as a batched GEMM, summed, was 0.001-0.004 ms slower in the norm's CUDA-graph
+    replay on an H100: ``*_norm-variants-ce08e82.txt``.)
     """
-    r, d_in = a.shape
-    splits = _GRAM_SPLITS if a.is_cuda and d_in % _GRAM_SPLITS == 0 and d_in >= 1024 else 1
-    if splits == 1:
-        return _mm_f32(a, a.T)
-    parts = a.view(r, splits, d_in // splits).transpose(0, 1)  # [splits, r, d_in / splits]
-    return torch.bmm(parts, parts.transpose(1, 2), out_dtype=torch.float32).sum(0)
+    return _mm_f32(a, a.T)
 
 
 def weight_sq(weight: torch.Tensor) -> torch.Tensor:
