@@ -11,6 +11,8 @@
 #   g: the norm's GPU tests and pieces, the layer benchmark at r = 384, the 8B model benchmark and accumulation 4,
 #      each with 2 rounds
 #   s: the norm's pieces with the epilogue/Gram sweep; kernels, host ops and Python of 4 qwen2.5-32b layers
+#   v: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384 and the
+#      8B model benchmark, one call
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -76,6 +78,14 @@ case "${1:-a}" in
       | tee "$R/norm_variants.txt"
     timeout 300 python3 benchmarks/profile_model.py --preset qwen2.5-32b --layers 4 --phases grad --top 30 --cprofile \
       --cpu-ops 2>&1 | tee "$R/profile_qwen.txt"
+    ;;
+  v)
+    timeout 170 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops tests/test_peft_integration.py \
+      tests/test_compile.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$R/pytest_gpu.txt"
+    timeout 60 python3 benchmarks/norm_variants.py --shapes 8192x28672 5120x27648 4096x14336 --out "$R" 2>&1 \
+      | tee "$R/norm_variants.txt"
+    timeout 150 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
+    timeout 150 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --out "$R"
     ;;
   p)
     seed=${2:?usage: gpu_run.sh p SEED}

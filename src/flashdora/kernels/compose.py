@@ -252,7 +252,7 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     n = dy.shape[-1]
     dy2 = _rows(dy, n)
     inner2 = _rows(inner, n) if inner is not None else dy2
-    g, gm1, inv = scales[0], scales[1], scales[2]
+    g, gm1, inv = scales.unbind(0)
     t = dy2.shape[0]
     gdy = torch.empty((t, n), dtype=dy.dtype, device=dy.device)
     d_lx_base = torch.empty((t, n), dtype=dy.dtype, device=dy.device) if has_lx_base else gdy

@@ -60,17 +60,17 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     backend.count("triton" if triton else "eager")
     # No autocast context: every matmul operand is cast to ``compute_dtype`` here, which is the autocast dtype
     # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
-    lx_c, a_c = lx.to(compute_dtype), lora_A.to(compute_dtype)
+    lx_c = lx if lx.dtype == compute_dtype else lx.to(compute_dtype)  # (a no-op .to() still costs a torch call)
+    a_c = lora_A if lora_A.dtype == compute_dtype else lora_A.to(compute_dtype)
     a = F.linear(lx_c, a_c)  # [..., r]
     if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
         from flashdora.kernels.compose import compose_fwd_fused
 
-        y, inner = compose_fwd_fused(
-            result, a, lora_B, scales[0], scales[1], scaling, bias, lx_base, save_inner=save_inner
-        )
+        g, gm1, _ = scales.unbind(0)
+        y, inner = compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     else:
         lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
-        g, gm1 = scales[0], scales[1]
+        g, gm1, _ = scales.unbind(0)
         y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     return y, a, inner, lx_c, a_c
 
@@ -108,8 +108,9 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
         if needs[3] and has_bias and not has_lx_base:
             out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
         if needs[1] or needs[4] or needs[5]:
-            gdy_c = gdy.reshape(-1, gdy.shape[-1]).to(cd)  # [T, d_out]
-            da = _mm(gdy_c, lora_B.to(cd), alpha)  # s gdy B: [T, r]
+            gdy_c = gdy.reshape(-1, gdy.shape[-1])  # [T, d_out]
+            gdy_c = gdy_c if gdy_c.dtype == cd else gdy_c.to(cd)
+            da = _mm(gdy_c, lora_B if lora_B.dtype == cd else lora_B.to(cd), alpha)  # s gdy B: [T, r]
             if needs[5]:
                 out[5] = _mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha)
             if needs[4]:
@@ -125,7 +126,7 @@ def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
     """Gradients as autograd wants them: ``dy`` for ``result`` with ``lx_base``, each in its input's dtype."""
     if has_lx_base and needs[0]:
         grads[0] = dy
-    return tuple(g if g is None or dtypes[i] is None else g.to(dtypes[i]) for i, g in enumerate(grads))
+    return tuple(g if g is None or dtypes[i] in (None, g.dtype) else g.to(dtypes[i]) for i, g in enumerate(grads))
 
 
 class ComposeFunction(torch.autograd.Function):
