@@ -13,6 +13,7 @@
 #   s: the norm's pieces with the epilogue/Gram sweep; kernels, host ops and Python of 4 qwen2.5-32b layers
 #   v: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384 and the
 #      8B model benchmark, one call
+#   i: where llama3-8b's eager time goes (4 layers: host vs GPU, norm counts), then the 8B model benchmark, 2 rounds
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -86,6 +87,11 @@ case "${1:-a}" in
       | tee "$R/norm_variants.txt"
     timeout 150 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
     timeout 150 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --out "$R"
+    ;;
+  i)
+    timeout 150 python3 benchmarks/profile_model.py --preset llama3-8b --layers 4 --phases inference grad --top 12 2>&1 \
+      | tee "$R/profile_8b.txt"
+    timeout 300 $fd bench model --preset llama3-8b --modes peft_lora flashdora --rounds 2 --out "$R"
     ;;
   p)
     seed=${2:?usage: gpu_run.sh p SEED}
