@@ -141,6 +141,25 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     return rows
 
 
+def repeat_rows(shape, r, n):
+    """The norm's CUDA-graph replay (model path) against the bf16 GEMM, measured alternately ``n`` times."""
+    d_in, d_out = (int(v) for v in shape.split("x"))
+    torch.manual_seed(0)
+    w = torch.randn(d_out, d_in, device=DEV, dtype=torch.bfloat16)
+    a = torch.randn(r, d_in, device=DEV) / d_in**0.5
+    b = torch.randn(d_out, r, device=DEV)
+    m = torch.rand(d_out, device=DEV) + 0.5
+    graph = kn.NormGraph(w, a, b, 1.0, m, ng.weight_sq(w))
+    shares = []
+    for i in range(n):
+        gemm = timing.gemm_tflops(DEV, n=8192)
+        t = ms(lambda: graph.graph.replay(), reps=200)
+        shares.append(2 * d_out * d_in * r / (t * 1e-3) / 1e12 / gemm)
+        print(f"{shape} r={r} repeat {i}: graph replay {t:.4f} ms, bf16 GEMM {gemm:.0f} TFLOP/s, {shares[-1]:.1%} of it")
+    shares.sort()
+    print(f"{shape} r={r}: median {shares[n // 2]:.1%}, min {shares[0]:.1%}, max {shares[-1]:.1%} over {n} repeats")
+
+
 def load_old(path):
     """The earlier module, autotuning over the config list it shipped with (87cfff6's NORM_FWD)."""
     spec = importlib.util.spec_from_file_location("old_norm", path)
@@ -161,8 +180,13 @@ if __name__ == "__main__":
     p.add_argument("--rank", type=int, default=384)
     p.add_argument("--old", default=None, help="an earlier kernels/norm.py to sweep (first two shapes)")
     p.add_argument("--sweep", action="store_true", help="epilogue tile configs (first two shapes)")
+    p.add_argument("--repeat", type=int, default=0, help="only: the first shape's graph replay and the bf16 GEMM, N times "
+                   "alternately (the run-to-run spread of the norm's share of the GEMM rate)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.repeat:
+        repeat_rows(args.shapes[0], args.rank, args.repeat)
+        sys.exit(0)
     gemm = timing.gemm_tflops(DEV, n=8192 if DEV == "cuda" else 256)
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     print(f"bf16 GEMM: {gemm:.0f} TFLOP/s; {name}, torch {torch.__version__}, triton {triton.__version__}")
