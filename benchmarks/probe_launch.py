@@ -1,5 +1,9 @@
 """Host cost per call of the ways to launch flashdora's fused compose kernel, and torch's out_dtype matmuls (GPU).
 
+The compose wrappers run twice: with ``configs.launch``'s direct path, and with Triton's own JIT dispatch of the
+tuned config (sixth session: the direct path is 10-30 us cheaper per call, ``*_launch-cost-240afab.txt``, measured
+with this comparison's first version, ``benchmarks/launch_cost.py`` at c0d02a3).
+
 Usage: PYTHONPATH=src python3 benchmarks/probe_launch.py
 """
 
@@ -9,6 +13,7 @@ import torch
 import triton
 
 from flashdora.kernels import compose as kc
+from flashdora.kernels import configs
 
 dev = torch.device("cuda")
 t, n, r = 2048, 4096, 384
@@ -31,11 +36,6 @@ def host_us(fn, n_calls=500):
     return us
 
 
-print(
-    "wrapper compose_fwd_fused:",
-    round(host_us(lambda: kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=True)), 1),
-    "us",
-)
 y = torch.empty_like(res)
 inner = torch.empty_like(res)
 args = (res, a, b, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
@@ -45,7 +45,27 @@ flags = dict(
 grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
 scales = torch.stack([g, gm1, 1 / g])
 dy = torch.randn_like(res)
-print("wrapper compose_bwd:", round(host_us(lambda: kc.compose_bwd(dy, res, scales, False)), 1), "us")
+direct_launch = configs.launch
+
+
+def jit_launch(kernel, grid_, key, args_, flags_):
+    """Triton's JIT dispatch with the tuned config (what ``configs.launch`` replaces once a key is tuned)."""
+    config = configs._TUNED.get((id(kernel), key))
+    if config is None:
+        return direct_launch(kernel, grid_, key, args_, flags_)
+    kernel.fn[grid_(config)](*args_, **flags_, **config)
+
+
+wrappers = {
+    "compose_fwd_fused": lambda: kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=True),
+    "compose_bwd": lambda: kc.compose_bwd(dy, res, scales, False),
+}
+for name, fn in wrappers.items():
+    direct = host_us(fn)
+    configs.launch = jit_launch
+    jit = host_us(fn)
+    configs.launch = direct_launch
+    print(f"wrapper {name}: direct launch {direct:.1f} us, Triton JIT dispatch {jit:.1f} us")
 for label, f in (
     ("mm out_dtype fp32", lambda: torch.mm(a.T, a, out_dtype=torch.float32)),
     (
