@@ -14,6 +14,8 @@
 #   v: the norm's, ops', PEFT seam's and compile GPU tests, the norm's pieces, the layer benchmark at r = 384 and the
 #      8B model benchmark, one call
 #   i: where llama3-8b's eager time goes (4 layers: host vs GPU, norm counts), then the 8B model benchmark, 2 rounds
+#   m: the ops' GPU tests, then the layer benchmark's peak memory at the two large shapes (after a backward change)
+#   n: (nvidia-h200) qwen2.5-32b grad, PEFT LoRA and flashdora
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -92,6 +94,16 @@ case "${1:-a}" in
     timeout 150 python3 benchmarks/profile_model.py --preset llama3-8b --layers 4 --phases inference grad --top 12 2>&1 \
       | tee "$R/profile_8b.txt"
     timeout 300 $fd bench model --preset llama3-8b --modes peft_lora flashdora --rounds 2 --out "$R"
+    ;;
+  m)
+    timeout 200 python3 -m pytest -m gpu tests/ops tests/kernels/test_compose.py -q -p no:cacheprovider 2>&1 \
+      | tail -5 | tee "$R/pytest_gpu.txt"
+    timeout 200 $fd bench layer --shapes 5120x27648 8192x28672 4096x14336 --ranks 384 --tokens 2048 --dtypes autocast \
+      --tag r384-mem --out "$R"
+    ;;
+  n)
+    timeout 580 $fd bench model --preset qwen2.5-32b --modes peft_lora flashdora --phases grad --rounds 2 \
+      --tag qwen-grad --out "$R"
     ;;
   p)
     seed=${2:?usage: gpu_run.sh p SEED}

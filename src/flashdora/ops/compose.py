@@ -81,12 +81,14 @@ def _mm(x, y, alpha):
     return torch.mm(x, y) if alpha == 1.0 else torch.addmm(x.new_empty(()), x, y, beta=0, alpha=alpha)
 
 
-def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs, dtypes):
     """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
 
     ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
-    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any; ``d_A`` and ``d_B`` come in the matmul dtype, as the
-    matmuls of PEFT's autocast path give them (``_finish_grads`` casts them to the parameters' dtypes).
+    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any. ``d_B`` and ``d_A`` are rounded to the matmul dtype, as
+    the matmuls of PEFT's autocast path give them, then cast to ``dtypes`` (the parameters') right after their GEMM,
+    so each 16-bit product is dropped before the next GEMM allocates: the backward's peak memory is the
+    ``[tokens, d_out]`` tensors plus one weight gradient at a time. ``d_lx`` comes last.
     """
     cd = a.dtype
     out = [None] * 7
@@ -112,9 +114,9 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
             gdy_c = gdy_c if gdy_c.dtype == cd else gdy_c.to(cd)
             da = _mm(gdy_c, lora_B if lora_B.dtype == cd else lora_B.to(cd), alpha)  # s gdy B: [T, r]
             if needs[5]:
-                out[5] = _mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha)
+                out[5] = _cast(_mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha), dtypes[5])
             if needs[4]:
-                out[4] = _mm(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0)
+                out[4] = _cast(_mm(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0), dtypes[4])
             if needs[1]:
                 out[1] = (da @ lora_A).reshape(lx_c.shape)
         if needs[6]:
@@ -122,11 +124,15 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
     return out
 
 
+def _cast(g, dtype):
+    return g if dtype is None or g.dtype == dtype else g.to(dtype)
+
+
 def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
     """Gradients as autograd wants them: ``dy`` for ``result`` with ``lx_base``, each in its input's dtype."""
     if has_lx_base and needs[0]:
         grads[0] = dy
-    return tuple(g if g is None or dtypes[i] in (None, g.dtype) else g.to(dtypes[i]) for i, g in enumerate(grads))
+    return tuple(g if g is None else _cast(g, dtypes[i]) for i, g in enumerate(grads))
 
 
 class ComposeFunction(torch.autograd.Function):
@@ -148,7 +154,7 @@ class ComposeFunction(torch.autograd.Function):
         lx_c, a, inner, a_c, b_c, scales = ctx.saved_tensors
         scaling, has_lx_base, has_bias, dtypes = ctx.meta
         needs = list(ctx.needs_input_grad[:7])
-        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs)
+        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs, dtypes)
         return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
 
 
