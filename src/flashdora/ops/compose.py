@@ -46,6 +46,12 @@ def compose_bwd_eager(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     return gdy, d_lx_base, dg
 
 
+def _cast(t, dtype):
+    """``t`` in ``dtype`` (``None``: as it is), without a torch call when it already is: a no-op ``.to()`` still
+    costs one on the host path."""
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
     """The LoRA matmul dtype PEFT gets: the autocast dtype under autocast, else the adapter's dtype."""
     if torch.is_autocast_enabled(device_type):
@@ -60,8 +66,7 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     backend.count("triton" if triton else "eager")
     # No autocast context: every matmul operand is cast to ``compute_dtype`` here, which is the autocast dtype
     # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
-    lx_c = lx if lx.dtype == compute_dtype else lx.to(compute_dtype)  # (a no-op .to() still costs a torch call)
-    a_c = lora_A if lora_A.dtype == compute_dtype else lora_A.to(compute_dtype)
+    lx_c, a_c = _cast(lx, compute_dtype), _cast(lora_A, compute_dtype)
     a = F.linear(lx_c, a_c)  # [..., r]
     if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
         from flashdora.kernels.compose import compose_fwd_fused
@@ -110,9 +115,8 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
         if needs[3] and has_bias and not has_lx_base:
             out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
         if needs[1] or needs[4] or needs[5]:
-            gdy_c = gdy.reshape(-1, gdy.shape[-1])  # [T, d_out]
-            gdy_c = gdy_c if gdy_c.dtype == cd else gdy_c.to(cd)
-            da = _mm(gdy_c, lora_B if lora_B.dtype == cd else lora_B.to(cd), alpha)  # s gdy B: [T, r]
+            gdy_c = _cast(gdy.reshape(-1, gdy.shape[-1]), cd)  # [T, d_out]
+            da = _mm(gdy_c, _cast(lora_B, cd), alpha)  # s gdy B: [T, r]
             if needs[5]:
                 out[5] = _cast(_mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha), dtypes[5])
             if needs[4]:
@@ -122,10 +126,6 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
         if needs[6]:
             out[6] = dg
     return out
-
-
-def _cast(g, dtype):
-    return g if dtype is None or g.dtype == dtype else g.to(dtype)
 
 
 def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
