@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashdora.kernels import configs
-from flashdora.kernels.norm_gemm import norm_half, weight_sq
+from flashdora.kernels.norm_gemm import _gram_term, norm_half, weight_sq
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -61,14 +61,9 @@ def _norm_fwd_kernel(
         p_ak += BLOCK_K
 
     acc = acc * two_s
-    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
-    for kk in range(0, r, BLOCK_G):
-        mask_g = (kk + offs_g) < r
-        p_bk = p_b + offs_m[:, None] * stride_bm + (kk + offs_g)[None, :] * stride_br
-        b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_g[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_G]
-        p_gk = p_gram + (kk + offs_g)[:, None] * r + offs_r[None, :]
-        b_gram = tl.load(p_gk, mask=mask_g[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_G, BLOCK_R]
-        acc = tl.dot(b_b * s_sq, b_gram, acc, input_precision="tf32x3")
+    acc = _gram_term(
+        acc, p_b, p_gram, offs_m, offs_r, mask_m, mask_r, r, stride_bm, stride_br, s_sq, True, "tf32x3", BLOCK_G
+    )  # fmt: skip
 
     p_bs = p_b + offs_m[:, None] * stride_bm + offs_r[None, :] * stride_br
     b_bs = tl.load(p_bs, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R]

@@ -41,6 +41,28 @@ def _row_sq_kernel(p_w, p_out, d_out, d_in, stride_wm, stride_wk, BLOCK_M: tl.co
     tl.store(p_out + offs_m, tl.sum(acc, axis=1), mask=mask_m)
 
 
+@triton.jit
+def _gram_term(
+    acc, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, b_scale,
+    SCALE_B: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """``acc + B[rows] @ G[:, slice]`` (``B`` times ``b_scale`` when ``SCALE_B``), a plain GEMM loop over K = r: the
+    Gram term of both norm kernels (this file's epilogue, and ``kernels/norm.py``'s fused float32 kernel)."""
+    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
+    p_bk = p_b + offs_m[:, None] * stride_bm + offs_g[None, :] * stride_br  # [BLOCK_M, BLOCK_G]
+    p_gk = p_gram + offs_g[:, None] * r + offs_j[None, :]  # [BLOCK_G, BLOCK_J]
+    for k in range(0, r, BLOCK_G):
+        mask_k = (k + offs_g) < r
+        b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if SCALE_B:
+            b_b = b_b * b_scale
+        b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
+        acc = tl.dot(b_b, b_g, acc, input_precision=PRECISION)
+        p_bk += BLOCK_G * stride_br
+        p_gk += BLOCK_G * r
+    return acc
+
+
 @triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"])
 @triton.jit(do_not_specialize=["rows"])
 def _epilogue_kernel(
@@ -55,19 +77,12 @@ def _epilogue_kernel(
     pid_j = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
     offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
-    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
     mask_m = offs_m < rows
     mask_j = offs_j < r
-    p_bk = p_b + offs_m[:, None] * stride_bm + offs_g[None, :] * stride_br  # [BLOCK_M, BLOCK_G]
-    p_gk = p_gram + offs_g[:, None] * r + offs_j[None, :]  # [BLOCK_G, BLOCK_J]
     bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
-    for k in range(0, r, BLOCK_G):
-        mask_k = (k + offs_g) < r
-        b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-        bg = tl.dot(b_b, b_g, bg, input_precision="tf32")
-        p_bk += BLOCK_G * stride_br
-        p_gk += BLOCK_G * r
+    bg = _gram_term(
+        bg, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, 1.0, False, "tf32", BLOCK_G
+    )  # fmt: skip
     mask = mask_m[:, None] & mask_j[None, :]
     b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
     p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
