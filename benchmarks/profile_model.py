@@ -14,6 +14,8 @@ import cProfile
 import pstats
 import statistics
 import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,6 +29,7 @@ p.set_defaults(layers=4)
 p.add_argument("--top", type=int, default=14)
 p.add_argument("--cprofile", action="store_true")
 p.add_argument("--cpu-ops", action="store_true", help="also list the ops issued per step (counts, host time)")
+p.add_argument("--sync-debug", action="store_true", help="print where a step makes the host wait on the GPU")
 args = p.parse_args()
 device = torch.device("cuda")
 name, config = bm.build_config(args)
@@ -74,6 +77,29 @@ def cpu_table(step, label):
         print(f"  {e.count / 2:7.1f} {e.self_cpu_time_total / 2 / 1e3:8.3f}  {e.key[:90]}")
 
 
+def sync_sites(step, label):
+    """One step under ``torch.cuda.set_sync_debug_mode("warn")``: each synchronizing call, with its Python stack."""
+    seen = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        seen.append("".join(traceback.format_stack(limit=12)[:-2]))
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    print(f"--- {label}: {len(seen)} synchronizing calls in one step")
+    for stack in seen[:6]:
+        print(stack)
+
+
 for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
     model = bm.wrap(base, args, use_dora)
     if use_dora:
@@ -89,14 +115,18 @@ for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
         print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
         if args.cpu_ops:
             cpu_table(step, f"{name} {mode} {phase}")
-        if args.cprofile and mode == "flashdora":
+        if args.sync_debug:
+            sync_sites(step, f"{name} {mode} {phase}")
+        if args.cprofile:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            stats = pstats.Stats(prof)
+            print(f"--- {name} {mode} {phase}: Python calls per step {stats.total_calls / 5:.0f}")
+            stats.sort_stats("tottime").print_stats(args.top * 2)
     base = model.unload()
     del model
     torch.cuda.empty_cache()
