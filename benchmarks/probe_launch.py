@@ -81,3 +81,18 @@ for label, f in (
         print(f"{label}: {out.dtype} {out.shape}, host {host_us(f):.1f} us")
     except Exception as e:  # noqa: BLE001
         print(f"{label} failed: {type(e).__name__}: {str(e)[:200]}")
+
+# The fused forward wrapper's pieces, each alone (what one layer call pays on this host, beside the kernel's launch).
+kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=True)  # tuned and compiled for these arguments
+key = (n, r, res.dtype, a.dtype, b.dtype, res.dtype, g.dtype, g.dtype)
+flags_f = dict(flags, SAVE_INNER=True, ROUND_BASE=False)
+wa = b.T.contiguous()  # [r, n]
+args_f = (res, a, b, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
+for label, f in (
+    ("configs.launch alone (fused fwd)", lambda: configs.launch(kc._compose_fused_fwd_kernel, grid, key, args_f, flags_f)),
+    ("configs._specialization", lambda: configs._specialization(args_f)),
+    ("torch.empty [t, n] bf16", lambda: torch.empty((t, n), dtype=torch.bfloat16, device=dev)),
+    ("tensor.unbind(0) of [3, n]", lambda: scales.unbind(0)),
+    ("F.linear [t, n] x [r, n]^T", lambda: torch.nn.functional.linear(res, wa)),
+):
+    print(f"{label}: host {host_us(f):.1f} us")

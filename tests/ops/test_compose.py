@@ -165,6 +165,28 @@ def test_zero_norm_row_outputs_bias_and_zero_grads(monkeypatch):
     assert grads["magnitude"][1] == 0
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_inplace_edit_of_lora_B_before_backward_raises(backend, monkeypatch):
+    """``lora_B`` rides on the autograd context (not ``save_for_backward``), so its version is checked by hand: an
+    in-place edit between forward and backward must fail as torch's own check would, never use the new values."""
+    if backend == "triton" and not _triton_runs():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv("FLASHDORA_BACKEND", backend)
+    i = dora_inputs(16, 8, 4, lead=(3,))
+    lora_B = i["lora_B"].requires_grad_()
+    out = dora_linear(i["x"], i["weight"], i["bias"], i["lora_A"], lora_B, i["magnitude"], i["scaling"])
+    with torch.no_grad():
+        lora_B.mul_(2.0)
+    with pytest.raises(RuntimeError, match="lora_B was modified by an inplace operation"):
+        out.sum().backward()
+
+
+def _triton_runs() -> bool:
+    import os
+
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def test_scales_are_exact_near_one():
     norm = torch.tensor([3.0, 5.0, 0.0], dtype=torch.float32)
     m = norm * torch.tensor([1 + 2**-20, 1.0, 1.0])

@@ -145,21 +145,24 @@ def _current_device() -> int:
 
 
 _TUNED: dict[tuple, dict] = {}  # (kernel, key) -> the autotuner's choice
-_COMPILED: dict[tuple, tuple] = {}  # (kernel, key, flags, specialization) -> (compiled kernel, constexpr tail)
-_I32 = range(-(2**31), 2**31)
+_COMPILED: dict[tuple, tuple] = {}  # (kernel, key, flags, specialization) -> (compiled kernel, its launcher, tail)
+_I32_MIN, _I32_MAX = -(2**31), 2**31
 
 
 def _specialization(args: tuple) -> tuple:
-    """What Triton specializes a compiled kernel on, per argument: 16-byte alignment of pointers, divisibility by 16
-    (and 1, and 32-bit range) of integers. Two calls with equal tuples can share one compiled kernel."""
-    return tuple(
-        [
-            (a.data_ptr() & 15) == 0 if type(a) is torch.Tensor
-            else ((a & 15) == 0, a == 1, a in _I32) if type(a) is int
-            else None
-            for a in args
-        ]
-    )  # fmt: skip
+    """What Triton specializes a compiled kernel on, per argument, as a small int: 16-byte alignment of pointers;
+    divisibility by 16, equality to 1 and 32-bit range of integers. Two calls with equal tuples can share one
+    compiled kernel. (One loop with int codes: this runs on every launch.)"""
+    codes = []
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            codes.append((not a & 15) + 2 * (a == 1) + 4 * (_I32_MIN <= a < _I32_MAX))
+        elif kind is float:
+            codes.append(8)
+        else:  # a tensor
+            codes.append(16 + (not a.data_ptr() & 15))
+    return tuple(codes)
 
 
 def _check_complete(kernel, args: tuple, flags: dict) -> None:
@@ -207,16 +210,17 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     hit = _COMPILED.get(compiled_key)
     if hit is None:
         compiled = fn[g](*args, **flags, **config)
-        if hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):  # Triton 3.x CompiledKernel
+        if getattr(compiled, "run", None) is not None and hasattr(compiled, "packed_metadata"):  # a CompiledKernel
             values = {**flags, **config, **extra}
             tail = tuple(values[name] for name in fn.arg_names[len(args) :])
-            _COMPILED[compiled_key] = (compiled, tail)
+            _COMPILED[compiled_key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
         return
-    compiled, tail = hit
-    stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+    compiled, run, function, packed, tail = hit
+    stream = torch._C._cuda_getCurrentRawStream(args[0].get_device())
     hooks = knobs.runtime
-    compiled.run(
-        g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, compiled.function,
-        compiled.packed_metadata, compiled.launch_metadata(g, stream, *args, *tail),
-        hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail,
+    enter = hooks.launch_enter_hook  # profilers (e.g. proton) set these at any time: read on every launch
+    metadata = None if enter is None else compiled.launch_metadata(g, stream, *args, *tail)
+    run(
+        g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, function, packed, metadata,
+        enter, hooks.launch_exit_hook, *args, *tail,
     )  # fmt: skip

@@ -144,15 +144,22 @@ class ComposeFunction(torch.autograd.Function):
         y, a, inner, lx_c, a_c = _fwd(
             result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
         )
-        ctx.save_for_backward(lx_c, a, inner, a_c, lora_B, scales)
+        ctx.save_for_backward(lx_c, a, inner, a_c)
+        # lora_B (a parameter, alive anyway) and the [3, d_out] scales ride on ctx instead: under gradient
+        # checkpointing every saved tensor costs Python pack and unpack hooks. lora_B's version is checked by hand.
         dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
-        ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes)
+        ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes, lora_B, lora_B._version, scales)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        lx_c, a, inner, a_c, b_c, scales = ctx.saved_tensors
-        scaling, has_lx_base, has_bias, dtypes = ctx.meta
+        lx_c, a, inner, a_c = ctx.saved_tensors
+        scaling, has_lx_base, has_bias, dtypes, b_c, b_version, scales = ctx.meta
+        if b_c._version != b_version:
+            raise RuntimeError(
+                "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
+                f"(version {b_version} -> {b_c._version}); the backward needs the values the forward used"
+            )
         needs = list(ctx.needs_input_grad[:7])
         grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs, dtypes)
         return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
