@@ -16,6 +16,8 @@
 #   i: where llama3-8b's eager time goes (4 layers: host vs GPU, norm counts), then the 8B model benchmark, 2 rounds
 #   m: the ops' GPU tests, then the layer benchmark's peak memory at the two large shapes (after a backward change)
 #   n: (nvidia-h200) qwen2.5-32b grad, PEFT LoRA and flashdora
+#   w: GPU tests of kernels, ops and the PEFT seam, the norm against the GEMM (7 repeats), the layer benchmark at
+#      r = 384, 4 layers of llama3-8b host vs GPU (after OLD_SRC's run when set), the launch pieces' host cost
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -110,6 +112,17 @@ case "${1:-a}" in
     timeout 580 $fd parity --pretrain 800 --rank 384 --dropout 0.05 --dtype autocast --steps 2000 --seeds 1 \
       --first-seed "$seed" --batch 8 --seq 512 --lr 1e-4 --floor --tag "2000p-s$seed" --out "$R" 2>&1 \
       | tee "$R/parity-s$seed.txt"
+    ;;
+  w)
+    timeout 170 python3 -m pytest -m gpu tests/kernels tests/ops tests/test_peft_integration.py -q \
+      -p no:cacheprovider 2>&1 | tail -30 | tee "$R/pytest_gpu.txt"
+    timeout 40 python3 benchmarks/norm_variants.py --shapes 8192x28672 --repeat 7 2>&1 | tee "$R/norm_repeat.txt"
+    timeout 150 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
+    for src in ${OLD_SRC:+"$OLD_SRC"} src; do  # A/B: an older source tree (carried, e.g. .out/old/src) first
+      PYTHONPATH=$src timeout 80 python3 benchmarks/profile_model.py --preset llama3-8b --layers 4 \
+        --phases inference grad --top 6 2>&1 | tee -a "$R/profile_8b.txt"
+    done
+    timeout 40 python3 benchmarks/probe_launch.py 2>&1 | tee "$R/probe_launch.txt"
     ;;
   h)
     timeout 200 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops tests/test_peft_integration.py \
