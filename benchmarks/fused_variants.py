@@ -1,0 +1,71 @@
+"""The forward compose with its LoRA B matmul: fused (B in float32 or bf16) against cuBLAS + the compose kernel (GPU).
+
+Each variant is captured in a CUDA graph and replayed (GPU time only, no host), at T tokens and r = 384 for several
+d_out, with bf16 ``result`` and ``a`` (the autocast case) and the adapters' float32 ``lora_B``:
+
+- ``fused fp32 B``: ``compose_fwd_fused`` as the forward runs it now (B cast to bf16 in registers);
+- ``fused bf16 B``: the same kernel given a bf16 B (the cast done elsewhere), and ``cast + fused bf16 B`` with it;
+- ``cuBLAS + compose``: ``lora = a B^T`` by cuBLAS (bf16 B), then the unfused compose kernel;
+- ``cuBLAS a B^T alone`` and the bytes the compose must move at copy speed, for scale.
+
+Usage: PYTHONPATH=src python3 benchmarks/fused_variants.py [--tokens 2048] [--save-inner]
+"""
+
+import argparse
+
+import torch
+
+from flashdora.bench import timing
+from flashdora.kernels import compose as kc
+
+p = argparse.ArgumentParser()
+p.add_argument("--tokens", type=int, default=2048)
+p.add_argument("--rank", type=int, default=384)
+p.add_argument("--d-out", type=int, nargs="+", default=[1024, 4096, 14336, 27648])
+p.add_argument("--save-inner", action="store_true")
+args = p.parse_args()
+dev = torch.device("cuda")
+t, r, save = args.tokens, args.rank, args.save_inner
+
+
+def graph_ms(fn, reps=50):
+    """Median ms of one replay of ``fn`` captured in a CUDA graph (after eager warm-up, which also tunes)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timing.measure(graph.replay, warmup=5, reps=reps, device=dev).ms
+
+
+copy_gbs = None
+for n in args.d_out:
+    torch.manual_seed(0)
+    res = torch.randn(t, n, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(t, r, device=dev, dtype=torch.bfloat16)
+    b32 = torch.randn(n, r, device=dev) / r**0.5
+    b16 = b32.to(torch.bfloat16)
+    g = torch.rand(n, device=dev) + 0.5
+    gm1 = g - 1
+    if copy_gbs is None:
+        src = torch.empty(2**28, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        copy_gbs = 2 * src.numel() / graph_ms(lambda: dst.copy_(src)) / 1e6
+    moved = t * n * 2 * (3 if save else 2)  # result read, y (and inner) written
+    variants = {
+        "fused fp32 B": lambda: kc.compose_fwd_fused(res, a, b32, g, gm1, 1.0, save_inner=save),
+        "fused bf16 B": lambda: kc.compose_fwd_fused(res, a, b16, g, gm1, 1.0, save_inner=save),
+        "cast + fused bf16 B": lambda: kc.compose_fwd_fused(res, a, b32.to(torch.bfloat16), g, gm1, 1.0, save_inner=save),
+        "cuBLAS + compose": lambda: kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save),
+        "cuBLAS a B^T alone": lambda: torch.nn.functional.linear(a, b16),
+    }
+    ref = kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save)[0].float()
+    for name in ("fused fp32 B", "fused bf16 B"):
+        got = variants[name]()[0].float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        print(f"d_out {n}: {name} vs cuBLAS + compose, relative difference {err:.2e}")
+    floor = moved / copy_gbs / 1e6
+    line = ", ".join(f"{name} {graph_ms(fn):.4f}" for name, fn in variants.items())
+    print(f"T {t} r {r} d_out {n} save_inner {save}: ms {line}; compose bytes at copy speed {floor:.4f}")
+print(f"copy {copy_gbs:.0f} GB/s")
