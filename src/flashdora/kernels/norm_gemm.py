@@ -3,8 +3,7 @@
 ``||W + s B A||^2 = ||W||^2 + 2s <W A^T, B>_row + s^2 <B G, B>_row`` with ``G = A A^T`` (docs/math.md), for the
 weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA matmul's own cast rounds it.
 
-1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out, on a side stream on CUDA (it
-   runs beside step 2).
+1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
 2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
    half of on an H100 (docs/decisions.md).
 3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
@@ -111,29 +110,6 @@ def gram(a: torch.Tensor) -> torch.Tensor:
     return _mm_f32(a, a.T)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _gram_beside(a: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream | None]:
-    """``gram(a)``, on CUDA issued on a side stream so that it runs beside the first cross-term GEMM: ``(G, side)``.
-
-    The caller makes its stream wait for ``side`` before reading ``G``. ``G`` is allocated on the caller's stream and
-    filled on ``side`` from a temporary that lives only there; ``a`` stays alive until the caller has waited. Under
-    CUDA graph capture the two streams become two branches of the graph. (Measured: docs/decisions.md.)
-    """
-    if not a.is_cuda:
-        return gram(a), None
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(index)
-    if side is None:
-        side = _SIDE_STREAMS[index] = torch.cuda.Stream(a.device)
-    g = torch.empty((a.shape[0], a.shape[0]), dtype=torch.float32, device=a.device)
-    side.wait_stream(torch.cuda.current_stream(a.device))
-    with torch.cuda.stream(side):
-        g.copy_(gram(a))
-    return g, side
-
-
 def weight_sq(weight: torch.Tensor) -> torch.Tensor:
     """``||W||^2`` per row ``[d_out]`` float32 (float32 accumulation; no transient copy of W)."""
     d_out, d_in = weight.shape
@@ -158,16 +134,13 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
-    g, side = _gram_beside(a)
+    g = gram(a)
     block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
     part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
         c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
-        if side is not None:  # the epilogue reads G
-            torch.cuda.current_stream(a.device).wait_stream(side)
-            side = None
         b = lora_B[i : i + rows]
         grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (
@@ -176,6 +149,4 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
             c.stride(0), b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
         configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
-    if side is not None:  # no rows: nothing read G, but the side stream must still be joined
-        torch.cuda.current_stream(a.device).wait_stream(side)
     return part
