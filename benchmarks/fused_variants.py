@@ -14,6 +14,7 @@ Usage: PYTHONPATH=src python3 benchmarks/fused_variants.py [--tokens 2048] [--sa
 import argparse
 
 import torch
+import triton
 
 from flashdora.bench import timing
 from flashdora.kernels import compose as kc
@@ -23,6 +24,7 @@ p.add_argument("--tokens", type=int, default=2048)
 p.add_argument("--rank", type=int, default=384)
 p.add_argument("--d-out", type=int, nargs="+", default=[1024, 4096, 14336, 27648])
 p.add_argument("--save-inner", action="store_true")
+p.add_argument("--sweep", action="store_true", help="also time the fused kernel (float32 B) under each tile config")
 args = p.parse_args()
 dev = torch.device("cuda")
 t, r, save = args.tokens, args.rank, args.save_inner
@@ -39,6 +41,11 @@ def graph_ms(fn, reps=50):
     return timing.measure(graph.replay, warmup=5, reps=reps, device=dev).ms
 
 
+SWEEP = [
+    (64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 256, 32, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+    (128, 256, 32, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (256, 128, 32, 8, 3), (64, 64, 64, 4, 4),
+    (128, 128, 16, 8, 4), (64, 256, 64, 8, 3),
+]  # fmt: skip
 copy_gbs = None
 for n in args.d_out:
     torch.manual_seed(0)
@@ -68,4 +75,26 @@ for n in args.d_out:
     floor = moved / copy_gbs / 1e6
     line = ", ".join(f"{name} {graph_ms(fn):.4f}" for name, fn in variants.items())
     print(f"T {t} r {r} d_out {n} save_inner {save}: ms {line}; compose bytes at copy speed {floor:.4f}")
+    if args.sweep:
+        y, inner = torch.empty_like(res), torch.empty_like(res)
+        kargs = (res, a, b32, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
+        flags = dict(
+            HAS_BIAS=False, HAS_LX_BASE=False, SAVE_INNER=save, ROUND_BASE=False, EMULATE_RNE=False,
+            DOT_PRECISION="tf32", UPCAST_DOT=False,
+        )  # fmt: skip
+        times = []
+        for bm, bn, bk, warps, stages in SWEEP:
+            grid = (triton.cdiv(t, bm), triton.cdiv(n, bn))
+
+            def run(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, grid=grid):
+                kc._compose_fused_fwd_kernel.fn[grid](
+                    *kargs, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages
+                )
+
+            try:
+                times.append((graph_ms(run), (bm, bn, bk, warps, stages)))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}")
+        best = ", ".join(f"{c} {ms:.4f}" for ms, c in sorted(times)[:5])
+        print(f"  sweep d_out {n} save_inner {save} (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), best five ms: {best}")
 print(f"copy {copy_gbs:.0f} GB/s")

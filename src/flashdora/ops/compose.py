@@ -68,7 +68,7 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
     lx_c, a_c = _cast(lx, compute_dtype), _cast(lora_A, compute_dtype)
     a = F.linear(lx_c, a_c)  # [..., r]
-    if triton:  # the LoRA B matmul runs inside the compose kernel (lora_B cast in registers), never written
+    if triton:  # the LoRA B matmul runs inside the compose kernel (a float32 lora_B cast in registers), never written
         from flashdora.kernels.compose import compose_fwd_fused
 
         g, gm1, _ = scales.unbind(0)
