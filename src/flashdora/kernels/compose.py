@@ -27,18 +27,21 @@ def _to_out(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def _compose_inputs(
-    p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, offs_m, offs_n, mask_m, mask_n, stride_result, stride_lx_base,
-    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, ROUND_BASE: tl.constexpr, EMULATE_RNE: tl.constexpr,
+def _compose_tile(
+    b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    offs_m, offs_n, mask_m, mask_n, scaling,
+    stride_result, stride_lx_base, stride_y, stride_inner,
+    HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):  # fmt: skip
-    """A [BLOCK_M, BLOCK_N] tile's compose inputs besides the LoRA output, in ``g``'s dtype: ``(result, base, g, g - 1)``.
-
-    The fused kernel loads them before its matmul loop, so that their reads overlap the loop's MMAs."""
+    """The compose of one [BLOCK_M, BLOCK_N] tile given its LoRA output ``b_lora``: loads the rest, stores y, inner."""
     mask = mask_m[:, None] & mask_n[None, :]  # [BLOCK_M, BLOCK_N]
     b_g = tl.load(p_g + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
     acc = b_g.dtype
+    b_result = tl.load(p_result + offs_m[:, None] * stride_result + offs_n[None, :], mask=mask, other=0.0)
+    s_lora = b_lora.to(acc) * scaling  # [BLOCK_M, BLOCK_N]
     b_gm1 = tl.load(p_gm1 + offs_n, mask=mask_n, other=0.0)
-    b_result = tl.load(p_result + offs_m[:, None] * stride_result + offs_n[None, :], mask=mask, other=0.0).to(acc)
+    b_result = b_result.to(acc)
     if HAS_LX_BASE:
         b_base = tl.load(p_lx_base + offs_m[:, None] * stride_lx_base + offs_n[None, :], mask=mask, other=0.0)
         b_base = b_base.to(acc)
@@ -49,22 +52,11 @@ def _compose_inputs(
             b_base = _to_out(b_base, p_y.dtype.element_ty, EMULATE_RNE).to(acc)
     else:
         b_base = b_result
-    return b_result, b_base, b_g, b_gm1
-
-
-@triton.jit
-def _compose_store(
-    b_lora, b_result, b_base, b_g, b_gm1, p_y, p_inner, offs_m, offs_n, mask_m, mask_n, scaling, stride_y,
-    stride_inner, SAVE_INNER: tl.constexpr, EMULATE_RNE: tl.constexpr,
-):  # fmt: skip
-    """The compose of one tile from its LoRA output ``b_lora`` and ``_compose_inputs``: stores y (and inner)."""
-    mask = mask_m[:, None] & mask_n[None, :]
-    s_lora = b_lora.to(b_g.dtype) * scaling  # [BLOCK_M, BLOCK_N]
     b_y = b_result + b_gm1[None, :] * b_base + b_g[None, :] * s_lora  # PEFT's form: result + (g - 1) base + g s lora
+    b_inner = b_base + s_lora
     p_out = p_y + offs_m[:, None] * stride_y + offs_n[None, :]
     tl.store(p_out, _to_out(b_y, p_y.dtype.element_ty, EMULATE_RNE), mask=mask)
     if SAVE_INNER:
-        b_inner = b_base + s_lora
         p_out = p_inner + offs_m[:, None] * stride_inner + offs_n[None, :]
         tl.store(p_out, _to_out(b_inner, p_inner.dtype.element_ty, EMULATE_RNE), mask=mask)
 
@@ -87,13 +79,11 @@ def _compose_fwd_kernel(
     mask_n = offs_n < N
     p_lora_tile = p_lora + offs_m[:, None] * stride_lora + offs_n[None, :]
     b_lora = tl.load(p_lora_tile, mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-    b_result, b_base, b_g, b_gm1 = _compose_inputs(
-        p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, offs_m, offs_n, mask_m, mask_n, stride_result, stride_lx_base,
-        HAS_BIAS, HAS_LX_BASE, ROUND_BASE, EMULATE_RNE,
-    )  # fmt: skip
-    _compose_store(
-        b_lora, b_result, b_base, b_g, b_gm1, p_y, p_inner, offs_m, offs_n, mask_m, mask_n, scaling, stride_y,
-        stride_inner, SAVE_INNER, EMULATE_RNE,
+    _compose_tile(
+        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        offs_m, offs_n, mask_m, mask_n, scaling,
+        stride_result, stride_lx_base, stride_y, stride_inner,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
     )  # fmt: skip
 
 
@@ -117,10 +107,6 @@ def _compose_fused_fwd_kernel(
     mask_n = offs_n < N
     p_ak = p_a + offs_m[:, None] * stride_a + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     p_bk = p_lora_B + offs_k[:, None] + offs_n[None, :] * stride_lora_B  # [BLOCK_K, BLOCK_N], lora_B^T
-    b_result, b_base, b_g, b_gm1 = _compose_inputs(
-        p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, offs_m, offs_n, mask_m, mask_n, stride_result, stride_lx_base,
-        HAS_BIAS, HAS_LX_BASE, ROUND_BASE, EMULATE_RNE,
-    )  # fmt: skip
     b_lora = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, R, BLOCK_K):
         mask_k = (k + offs_k) < R
@@ -134,9 +120,11 @@ def _compose_fused_fwd_kernel(
         p_ak += BLOCK_K
         p_bk += BLOCK_K
     b_lora = _to_out(b_lora, p_a.dtype.element_ty, EMULATE_RNE)  # rounded like the unfused matmul's output
-    _compose_store(
-        b_lora, b_result, b_base, b_g, b_gm1, p_y, p_inner, offs_m, offs_n, mask_m, mask_n, scaling, stride_y,
-        stride_inner, SAVE_INNER, EMULATE_RNE,
+    _compose_tile(
+        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        offs_m, offs_n, mask_m, mask_n, scaling,
+        stride_result, stride_lx_base, stride_y, stride_inner,
+        HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
     )  # fmt: skip
 
 
