@@ -114,6 +114,30 @@ def test_autocast_bf16_with_fp32_adapters(monkeypatch):
         assert_close(grads[name], ref_grads[name], 3 * RTOL[torch.bfloat16], f"d{name}")
 
 
+@pytest.mark.parametrize("with_lora_x", [False, True], ids=["plain", "lora_x"])
+def test_large_lora_B_cast_first_gives_the_same_bits(with_lora_x, monkeypatch):
+    """A large float32 ``lora_B`` is cast to bf16 before the fused kernel instead of in its registers: the same
+    rounding, so the output and every gradient must be bitwise those of the in-register cast."""
+    if not _triton_runs():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from flashdora.ops import compose as ops_compose
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    i = dora_inputs(40, 24, 8, lead=(3, 5))
+    i["weight"], i["bias"] = i["weight"].bfloat16(), i["bias"].bfloat16()
+    lora_x = torch.nn.functional.dropout(torch.randn_like(i["x"]), 0.2).bfloat16() if with_lora_x else None
+    dy = torch.randn(3, 5, 24).bfloat16()
+    runs = []
+    for threshold in (2**40, 0):  # never cast first, always cast first
+        monkeypatch.setattr(ops_compose, "_CAST_B_FIRST", threshold)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(_run(dora_linear, i, lora_x, dy))
+    (out0, grads0), (out1, grads1) = runs
+    assert torch.equal(out0, out1)
+    for name, grad in grads0.items():
+        assert (grad is None and grads1[name] is None) or torch.equal(grad, grads1[name]), name
+
+
 def _peft_formula_bf16(i, lora_x):
     """PEFT's DoRA arithmetic for a bf16 layer with an fp32 magnitude: base and lora matmuls in bf16, the norm
     rounded to bf16 (PEFT computes it in the input dtype), then g = m / norm and (g - 1) * base as PEFT forms them."""

@@ -59,6 +59,12 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
     return lora_A.dtype
 
 
+# Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384,
+# benchmarks/fused_variants.py: at d_out 27648 the in-register cast costs the kernel 18-28 us more than a cast
+# pass plus the kernel on a 16-bit B; at d_out 4096 only 2-4 us, below the host time of one more launch).
+_CAST_B_FIRST = 8 * 2**20
+
+
 def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
     """Forward body: ``(y, a, inner | None, lx_c, A_c)``: ``a = lx A^T``; ``lx_c``, ``A_c`` are the LoRA input and
     ``lora_A`` in the matmul dtype (backward reuses them instead of casting again)."""
@@ -68,11 +74,14 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
     lx_c, a_c = _cast(lx, compute_dtype), _cast(lora_A, compute_dtype)
     a = F.linear(lx_c, a_c)  # [..., r]
-    if triton:  # the LoRA B matmul runs inside the compose kernel (a float32 lora_B cast in registers), never written
+    if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         from flashdora.kernels.compose import compose_fwd_fused
 
+        # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
+        # GPU time saved outweighs the extra launch's host time (docs/decisions.md).
+        b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
         g, gm1, _ = scales.unbind(0)
-        y, inner = compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+        y, inner = compose_fwd_fused(result, a, b, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     else:
         lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
         g, gm1, _ = scales.unbind(0)
