@@ -168,51 +168,56 @@ def _compose_bwd_kernel(
         tl.store(p_dg_part + pid_s * N + offs_n, tl.sum(b_dg, axis=0) * b_inv, mask=mask_n)
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` as a 2-D ``[tokens, n]`` tensor whose last dim has stride 1 (a view when the strides allow)."""
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """``(tensor, row stride)`` for a kernel that reads ``t`` as ``[tokens, n]`` rows with stride-1 columns.
+
+    A contiguous ``t`` goes as it is, whatever its leading dims (no reshape call on the host path); otherwise a 2-D
+    view of it when the strides allow, else a copy."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
-    return t2 if t2.stride(1) == 1 else t2.contiguous()
+    t2 = t2 if t2.stride(1) == 1 else t2.contiguous()
+    return t2, t2.stride(0)
 
 
 # The wrappers below run once per layer call on the host, which is the bottleneck at ordinary layer sizes: they do
-# no checks (ops/ validates) and as few torch calls as they can.
+# no checks (ops/ validates) and as few torch calls as they can (outputs are allocated in their final shape).
 
 
 def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
-    """Shared forward plumbing: 2-D views, optional-input stand-ins, the (y, inner) outputs and the flags."""
+    """Shared forward plumbing: row views, optional-input stand-ins, the (y, inner) outputs and the flags."""
     n = result.shape[-1]
-    res2 = _rows(result, n)
+    t = result.numel() // n if n > 0 else 0
+    res2, stride_res = _rows(result, n)
     has_lx_base = lx_base is not None
     has_bias = bias is not None and not has_lx_base
-    lb2 = _rows(lx_base, n) if has_lx_base else res2
+    lb2, stride_lb = _rows(lx_base, n) if has_lx_base else (res2, stride_res)
     bias_c = bias.contiguous() if has_bias else g
-    t = res2.shape[0]
-    y = torch.empty((t, n), dtype=result.dtype, device=result.device)
-    inner = torch.empty((t, n), dtype=result.dtype, device=result.device) if save_inner else y
+    y = torch.empty(result.shape, dtype=result.dtype, device=result.device)
+    inner = torch.empty(result.shape, dtype=result.dtype, device=result.device) if save_inner else y
     # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
     round_base = has_bias and result.dtype in (torch.float16, torch.bfloat16) and bias.dtype == result.dtype
     flags = dict(
         HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, ROUND_BASE=round_base,
         EMULATE_RNE=configs.INTERPRETED,
     )  # fmt: skip
-    return res2, lb2, bias_c, y, inner, flags
+    return t, n, (res2, stride_res), (lb2, stride_lb), bias_c, y, inner, flags
 
 
 def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
     """Triton ``compose_fwd_eager``: ``(y, inner or None)``, both shaped and typed like ``result``."""
-    res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
-    lora2 = _rows(lora, result.shape[-1])
-    t, n = y.shape
+    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+    lora2, s_lora = _rows(lora, n)
     if t > 0 and n > 0:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
         args = (
             res2, lora2, lb2, bias_c, g, gm1, y, inner,
             t, n, float(scaling),
-            res2.stride(0), lora2.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
+            s_res, s_lora, s_lb, n, n,
         )  # fmt: skip
         key = (n, result.dtype, lora.dtype, lb2.dtype, bias_c.dtype, g.dtype)
         configs.launch(_compose_fwd_kernel, grid, key, args, flags)
-    return y.view(result.shape), inner.view(result.shape) if save_inner else None
+    return y, inner if save_inner else None
 
 
 def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -224,22 +229,21 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
     PEFT's under bf16 (docs/decisions.md).
     """
     r = a.shape[-1]
-    res2, lb2, bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
-    a2 = _rows(a, r)
+    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+    a2, s_a = _rows(a, r)
     b = lora_B if lora_B.stride(1) == 1 else lora_B.contiguous()
-    t, n = y.shape
     if t > 0 and n > 0:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
         args = (
             res2, a2, b, lb2, bias_c, g, gm1, y, inner,
             t, n, r, float(scaling),
-            res2.stride(0), a2.stride(0), b.stride(0), lb2.stride(0), y.stride(0), inner.stride(0),
+            s_res, s_a, b.stride(0), s_lb, n, n,
         )  # fmt: skip
         flags["DOT_PRECISION"] = "tf32x3" if a.dtype == torch.float32 else "tf32"
         flags["UPCAST_DOT"] = configs.INTERPRETED and a.dtype == torch.bfloat16
         key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, g.dtype)
         configs.launch(_compose_fused_fwd_kernel, grid, key, args, flags)
-    return y.view(result.shape), inner.view(result.shape) if save_inner else None
+    return y, inner if save_inner else None
 
 
 def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
@@ -250,12 +254,12 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     a fixed order.
     """
     n = dy.shape[-1]
-    dy2 = _rows(dy, n)
-    inner2 = _rows(inner, n) if inner is not None else dy2
+    t = dy.numel() // n if n > 0 else 0
+    dy2, s_dy = _rows(dy, n)
+    inner2, s_inner = _rows(inner, n) if inner is not None else (dy2, s_dy)
     g, gm1, inv = scales.unbind(0)
-    t = dy2.shape[0]
-    gdy = torch.empty((t, n), dtype=dy.dtype, device=dy.device)
-    d_lx_base = torch.empty((t, n), dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
+    gdy = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    d_lx_base = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
     rows_per_prog = _rows_per_prog(t, n, dy.device)
     n_split = triton.cdiv(t, rows_per_prog) if t > 0 else 0
     dg_part = torch.empty((n_split, n), dtype=g.dtype, device=dy.device) if inner is not None else g
@@ -264,7 +268,7 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
         args = (
             dy2, inner2, g, gm1, inv, gdy, d_lx_base, dg_part,
             t, n, rows_per_prog, float(gdy_scale),
-            dy2.stride(0), inner2.stride(0), gdy.stride(0), d_lx_base.stride(0),
+            s_dy, s_inner, n, n,
         )  # fmt: skip
         flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)
         configs.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, g.dtype), args, flags)
@@ -274,7 +278,7 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
             dg = dg_part[0]
         else:
             dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
-    return gdy.view(dy.shape), d_lx_base.view(dy.shape) if has_lx_base else None, dg
+    return gdy, d_lx_base if has_lx_base else None, dg
 
 
 _ROWS_PER_PROG: dict[tuple, int] = {}
