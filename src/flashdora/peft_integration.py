@@ -37,21 +37,42 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     """Why flashdora cannot run this DoRA Linear layer (``None`` when it can)."""
-    base = module.get_base_layer()
-    lora_B = module.lora_B[adapter]
-    return _reason(base, module.lora_A[adapter].weight, lora_B, module.lora_magnitude_vector[adapter].weight)
+    mods = module._modules
+    base = _base_layer(module)
+    lora_B_layer = mods["lora_B"]._modules[adapter]
+    return _reason(
+        base, _param(base, "weight"), _param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
+        _param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
+    )  # fmt: skip
 
 
-def _reason(base, lora_A, lora_B_layer, magnitude) -> str | None:
+# The forward runs once per layer call, where host time is the bottleneck (docs/decisions.md): it reads submodules and
+# parameters from the modules' own dicts. ``nn.Module.__getattr__`` costs a Python call per attribute, and PEFT's
+# ``get_base_layer`` a caught AttributeError per call (about 2 and 5 us on a laptop CPU, against 0.15).
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    """PEFT's ``get_base_layer``: the innermost ``base_layer`` (nested when LoRA layers wrap LoRA layers)."""
+    while "base_layer" in module._modules:
+        module = module._modules["base_layer"]
+    return module
+
+
+def _param(module: nn.Module, name: str):
+    """``getattr(module, name)`` for a registered parameter, without ``nn.Module.__getattr__``."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
+
+
+def _reason(base, weight, lora_A, lora_B_layer, magnitude) -> str | None:
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
-    weight = base.weight
     if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS:
         return f"quantized:{type(base).__name__}"
-    if lora_B_layer.bias is not None:
+    if _param(lora_B_layer, "bias") is not None:
         return "lora_bias"
     device = weight.device
-    if lora_A.device != device or lora_B_layer.weight.device != device or magnitude.device != device:
+    if lora_A.device != device or _param(lora_B_layer, "weight").device != device or magnitude.device != device:
         return "devices:adapter and base weight on different devices"
     return None
 
@@ -66,23 +87,25 @@ def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kw
 
 def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``."""
-    base = module.get_base_layer()
-    lora_B_layer = module.lora_B[active_adapter]
-    lora_A = module.lora_A[active_adapter].weight
-    owner = module.lora_magnitude_vector[active_adapter]
-    magnitude = owner.weight
-    reason = _reason(base, lora_A, lora_B_layer, magnitude)
+    mods = module._modules
+    base = _base_layer(module)
+    weight = _param(base, "weight")
+    lora_A = _param(mods["lora_A"]._modules[active_adapter], "weight")
+    lora_B_layer = mods["lora_B"]._modules[active_adapter]
+    owner = mods["lora_magnitude_vector"]._modules[active_adapter]
+    magnitude = _param(owner, "weight")
+    reason = _reason(base, weight, lora_A, lora_B_layer, magnitude)
     if reason is not None or x.device != result.device:
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
-    weight = base.weight.T if module.fan_in_fan_out else base.weight
-    lora_B = lora_B_layer.weight
+    weight = weight.T if module.fan_in_fan_out else weight
+    lora_B = _param(lora_B_layer, "weight")
     scaling = float(module.scaling[active_adapter])
     scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
-    dropout = module.lora_dropout[active_adapter]
+    dropout = mods["lora_dropout"]._modules[active_adapter]
     if not module.training or isinstance(dropout, nn.Identity):
-        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=base.bias)
+        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
@@ -107,11 +130,11 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
         and x.dtype == torch.get_autocast_dtype(x.device.type)
     ):
         variants_ = self.lora_variant
-        dropouts = self.lora_dropout
+        dropouts = self._modules["lora_dropout"]._modules
         training = self.training
         for adapter in self.active_adapters:
             if adapter not in variants_:
-                if adapter in self.lora_A:
+                if adapter in self._modules["lora_A"]._modules:
                     break  # a vanilla LoRA adapter: PEFT's own path
                 continue
             kind = type(variants_[adapter])
