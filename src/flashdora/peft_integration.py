@@ -42,7 +42,7 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     lora_B_layer = mods["lora_B"]._modules[adapter]
     return _reason(
         base, _param(base, "weight"), _param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
-        _param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
+        _param(lora_B_layer, "weight"), _param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
     )  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def _param(module: nn.Module, name: str):
     return params[name] if name in params else getattr(module, name, None)
 
 
-def _reason(base, weight, lora_A, lora_B_layer, magnitude) -> str | None:
+def _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS:
@@ -72,7 +72,7 @@ def _reason(base, weight, lora_A, lora_B_layer, magnitude) -> str | None:
     if _param(lora_B_layer, "bias") is not None:
         return "lora_bias"
     device = weight.device
-    if lora_A.device != device or _param(lora_B_layer, "weight").device != device or magnitude.device != device:
+    if lora_A.device != device or lora_B.device != device or magnitude.device != device:
         return "devices:adapter and base weight on different devices"
     return None
 
@@ -92,15 +92,15 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     weight = _param(base, "weight")
     lora_A = _param(mods["lora_A"]._modules[active_adapter], "weight")
     lora_B_layer = mods["lora_B"]._modules[active_adapter]
+    lora_B = _param(lora_B_layer, "weight")
     owner = mods["lora_magnitude_vector"]._modules[active_adapter]
     magnitude = _param(owner, "weight")
-    reason = _reason(base, weight, lora_A, lora_B_layer, magnitude)
+    reason = _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
     if reason is not None or x.device != result.device:
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
     weight = weight.T if module.fan_in_fan_out else weight
-    lora_B = _param(lora_B_layer, "weight")
     scaling = float(module.scaling[active_adapter])
     scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
     dropout = mods["lora_dropout"]._modules[active_adapter]

@@ -74,17 +74,16 @@ def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dty
     # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
     lx_c, a_c = _cast(lx, compute_dtype), _cast(lora_A, compute_dtype)
     a = F.linear(lx_c, a_c)  # [..., r]
+    g, gm1, _ = scales.unbind(0)
     if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         from flashdora.kernels.compose import compose_fwd_fused
 
         # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
         # GPU time saved outweighs the extra launch's host time (docs/decisions.md).
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
-        g, gm1, _ = scales.unbind(0)
         y, inner = compose_fwd_fused(result, a, b, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     else:
-        lora = F.linear(a, lora_B.to(compute_dtype))  # [..., d_out]
-        g, gm1, _ = scales.unbind(0)
+        lora = F.linear(a, _cast(lora_B, compute_dtype))  # [..., d_out]
         y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
     return y, a, inner, lx_c, a_c
 
