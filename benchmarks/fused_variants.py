@@ -46,8 +46,42 @@ SWEEP = [
     (128, 256, 32, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4), (256, 128, 32, 8, 3), (64, 64, 64, 4, 4),
     (128, 128, 16, 8, 4), (64, 256, 64, 8, 3),
 ]  # fmt: skip
-copy_gbs = None
-for n in args.d_out:
+
+
+def copy_speed() -> float:
+    """Device-to-device copy, GB/s (bytes read + written), graph-replayed."""
+    src = torch.empty(2**28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def sweep(res, a, b32, g, gm1, n):
+    """The fused kernel (float32 B) under each tile config of ``SWEEP``; prints the five fastest."""
+    y, inner = torch.empty_like(res), torch.empty_like(res)
+    kargs = (res, a, b32, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
+    flags = dict(
+        HAS_BIAS=False, HAS_LX_BASE=False, SAVE_INNER=save, ROUND_BASE=False, EMULATE_RNE=False,
+        DOT_PRECISION="tf32", UPCAST_DOT=False,
+    )  # fmt: skip
+    times = []
+    for bm, bn, bk, warps, stages in SWEEP:
+        grid = (triton.cdiv(t, bm), triton.cdiv(n, bn))
+
+        def run(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, grid=grid):
+            kc._compose_fused_fwd_kernel.fn[grid](
+                *kargs, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages
+            )
+
+        try:
+            times.append((graph_ms(run), (bm, bn, bk, warps, stages)))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+            print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}")
+    best = ", ".join(f"{c} {ms:.4f}" for ms, c in sorted(times)[:5])
+    print(f"  sweep d_out {n} save_inner {save} (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), best five ms: {best}")
+
+
+def measure(n, copy_gbs):
+    """Every variant at one d_out: their difference from cuBLAS + compose, then their graph-replay times."""
     torch.manual_seed(0)
     res = torch.randn(t, n, device=dev, dtype=torch.bfloat16)
     a = torch.randn(t, r, device=dev, dtype=torch.bfloat16)
@@ -55,19 +89,22 @@ for n in args.d_out:
     b16 = b32.to(torch.bfloat16)
     g = torch.rand(n, device=dev) + 0.5
     gm1 = g - 1
-    if copy_gbs is None:
-        src = torch.empty(2**28, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        copy_gbs = 2 * src.numel() / graph_ms(lambda: dst.copy_(src)) / 1e6
     moved = t * n * 2 * (3 if save else 2)  # result read, y (and inner) written
+
+    def fused(b):
+        return kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=save)
+
+    def unfused():
+        return kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save)
+
     variants = {
-        "fused fp32 B": lambda: kc.compose_fwd_fused(res, a, b32, g, gm1, 1.0, save_inner=save),
-        "fused bf16 B": lambda: kc.compose_fwd_fused(res, a, b16, g, gm1, 1.0, save_inner=save),
-        "cast + fused bf16 B": lambda: kc.compose_fwd_fused(res, a, b32.to(torch.bfloat16), g, gm1, 1.0, save_inner=save),
-        "cuBLAS + compose": lambda: kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save),
+        "fused fp32 B": lambda: fused(b32),
+        "fused bf16 B": lambda: fused(b16),
+        "cast + fused bf16 B": lambda: fused(b32.to(torch.bfloat16)),
+        "cuBLAS + compose": unfused,
         "cuBLAS a B^T alone": lambda: torch.nn.functional.linear(a, b16),
     }
-    ref = kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save)[0].float()
+    ref = unfused()[0].float()
     for name in ("fused fp32 B", "fused bf16 B"):
         got = variants[name]()[0].float()
         err = ((got - ref).norm() / ref.norm()).item()
@@ -76,25 +113,10 @@ for n in args.d_out:
     line = ", ".join(f"{name} {graph_ms(fn):.4f}" for name, fn in variants.items())
     print(f"T {t} r {r} d_out {n} save_inner {save}: ms {line}; compose bytes at copy speed {floor:.4f}")
     if args.sweep:
-        y, inner = torch.empty_like(res), torch.empty_like(res)
-        kargs = (res, a, b32, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
-        flags = dict(
-            HAS_BIAS=False, HAS_LX_BASE=False, SAVE_INNER=save, ROUND_BASE=False, EMULATE_RNE=False,
-            DOT_PRECISION="tf32", UPCAST_DOT=False,
-        )  # fmt: skip
-        times = []
-        for bm, bn, bk, warps, stages in SWEEP:
-            grid = (triton.cdiv(t, bm), triton.cdiv(n, bn))
+        sweep(res, a, b32, g, gm1, n)
 
-            def run(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, grid=grid):
-                kc._compose_fused_fwd_kernel.fn[grid](
-                    *kargs, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages
-                )
 
-            try:
-                times.append((graph_ms(run), (bm, bn, bk, warps, stages)))
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                print(f"  config {(bm, bn, bk, warps, stages)} failed: {type(e).__name__}")
-        best = ", ".join(f"{c} {ms:.4f}" for ms, c in sorted(times)[:5])
-        print(f"  sweep d_out {n} save_inner {save} (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), best five ms: {best}")
+copy_gbs = copy_speed()
+for n in args.d_out:
+    measure(n, copy_gbs)
 print(f"copy {copy_gbs:.0f} GB/s")

@@ -155,7 +155,8 @@ def repeat_rows(shape, r, n):
         gemm = timing.gemm_tflops(DEV, n=8192)
         t = ms(lambda: graph.graph.replay(), reps=200)
         shares.append(2 * d_out * d_in * r / (t * 1e-3) / 1e12 / gemm)
-        print(f"{shape} r={r} repeat {i}: graph replay {t:.4f} ms, bf16 GEMM {gemm:.0f} TFLOP/s, {shares[-1]:.1%} of it")
+        share = f"{shares[-1]:.1%} of it"
+        print(f"{shape} r={r} repeat {i}: graph replay {t:.4f} ms, bf16 GEMM {gemm:.0f} TFLOP/s, {share}")
     shares.sort()
     print(f"{shape} r={r}: median {shares[n // 2]:.1%}, min {shares[0]:.1%}, max {shares[-1]:.1%} over {n} repeats")
 
@@ -180,8 +181,11 @@ if __name__ == "__main__":
     p.add_argument("--rank", type=int, default=384)
     p.add_argument("--old", default=None, help="an earlier kernels/norm.py to sweep (first two shapes)")
     p.add_argument("--sweep", action="store_true", help="epilogue tile configs (first two shapes)")
-    p.add_argument("--repeat", type=int, default=0, help="only: the first shape's graph replay and the bf16 GEMM, N times "
-                   "alternately (the run-to-run spread of the norm's share of the GEMM rate)")
+    p.add_argument(
+        "--repeat", type=int, default=0,
+        help="only: the first shape's graph replay and the bf16 GEMM, N times alternately (the run-to-run spread of "
+        "the norm's share of the GEMM rate)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.repeat:

@@ -89,7 +89,10 @@ flags_f = dict(flags, SAVE_INNER=True, ROUND_BASE=False)
 wa = b.T.contiguous()  # [r, n]
 args_f = (res, a, b, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
 for label, f in (
-    ("configs.launch alone (fused fwd)", lambda: configs.launch(kc._compose_fused_fwd_kernel, grid, key, args_f, flags_f)),
+    (
+        "configs.launch alone (fused fwd)",
+        lambda: configs.launch(kc._compose_fused_fwd_kernel, grid, key, args_f, flags_f),
+    ),
     ("configs._specialization", lambda: configs._specialization(args_f)),
     ("torch.empty [t, n] bf16", lambda: torch.empty((t, n), dtype=torch.bfloat16, device=dev)),
     ("tensor.unbind(0) of [3, n]", lambda: scales.unbind(0)),

@@ -84,17 +84,14 @@ def sync_sites(step, label):
     def show(message, category, filename, lineno, file=None, line=None):
         seen.append("".join(traceback.format_stack(limit=12)[:-2]))
 
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             step()
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
     print(f"--- {label}: {len(seen)} synchronizing calls in one step")
     for stack in seen[:6]:
         print(stack)
