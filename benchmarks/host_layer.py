@@ -1,0 +1,88 @@
+"""Host time per call of one PEFT layer: LoRA against flashdora's DoRA, at a token count the GPU never limits.
+
+At 16 tokens each kernel takes a few microseconds, so a loop of calls runs at the speed the host issues them: the
+wall time per call is the host's cost, the quantity that decides the ratios of a host-bound model step (eighth
+session). Modes alternate for ``--turns`` turns; the median turn is printed per mode and phase:
+``inference`` (no grad) and ``fwd_bwd`` (forward and backward, weights unchanged: the norm comes from the cache).
+
+Usage: PYTHONPATH=src python3 benchmarks/host_layer.py [--shape 4096x4096] [--rank 384] [--tokens 16] [--turns 5]
+[--calls 300] [--no-gc]
+"""
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+import flashdora
+
+p = argparse.ArgumentParser()
+p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
+p.add_argument("--rank", type=int, default=384)
+p.add_argument("--tokens", type=int, default=16)
+p.add_argument("--turns", type=int, default=5)
+p.add_argument("--calls", type=int, default=300)
+p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off while timing")
+args = p.parse_args()
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+d_in, d_out = (int(v) for v in args.shape.split("x"))
+
+
+def layer(use_dora):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, dtype=torch.bfloat16, device=dev))
+    cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, use_dora=use_dora, target_modules=["0"],
+                     init_lora_weights=False)  # fmt: skip
+    return get_peft_model(net, cfg)
+
+
+x = torch.randn(args.tokens, d_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(args.tokens, d_out, device=dev, dtype=torch.bfloat16)
+models = {"peft_lora": layer(False), "flashdora": flashdora.enable(layer(True))}
+
+
+def sync():
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(model, phase, n):
+    def call():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            y = model(x)
+        if phase == "fwd_bwd":
+            y.backward(dy)
+
+    with torch.set_grad_enabled(phase == "fwd_bwd"):
+        for _ in range(20):
+            call()
+        sync()
+        if args.no_gc:
+            gc.disable()
+        t = time.perf_counter()
+        for _ in range(n):
+            call()
+        sync()
+        us = (time.perf_counter() - t) / n * 1e6
+        gc.enable()
+    return us
+
+
+times = {}
+for _ in range(args.turns):
+    for phase in ("inference", "fwd_bwd"):
+        for name, model in models.items():
+            times.setdefault((phase, name), []).append(per_call_us(model, phase, args.calls))
+device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+gc_state = "off" if args.no_gc else "on"
+print(f"# host us per call, {args.shape} r={args.rank}, {args.tokens} tokens, {device}, gc {gc_state}")
+for phase in ("inference", "fwd_bwd"):
+    lora = statistics.median(times[(phase, "peft_lora")])
+    for name in models:
+        got = times[(phase, name)]
+        med = statistics.median(got)
+        spread = f"{min(got):.1f}-{max(got):.1f}"
+        print(f"{phase:9s} {name:10s} median {med:7.1f} us (turns {spread}), {med / lora:.2f}x LoRA")
