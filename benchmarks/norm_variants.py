@@ -10,10 +10,8 @@ configs, with and without its in-loop ``||W||^2``. ``err``: max relative error o
 symmetric-Gram form were swept and dropped, ``*_norm-variants-0b1f414.txt``; so was the Gram as a split-K batched
 GEMM, ``*_norm-variants-ce08e82.txt``.)
 
-``--ab N`` (only that): the epilogue forms of ``FORMS`` in turns, N times per shape (eighth session).
-
 Usage (GPU): PYTHONPATH=src python3 benchmarks/norm_variants.py [--shapes 8192x28672 4096x14336] [--old F] [--sweep]
-[--ab N] [--out D]
+[--out D]
 """
 
 import argparse
@@ -84,12 +82,11 @@ def old_kernel_rows(old, w, a, b, ref, add):
 def sweep_rows(epi_args, part, block_j, d_out, r, add):
     """The epilogue over a sweep of tile configs (its row sums checked against the autotuned kernel's)."""
     want = part.clone()
-    grid = lambda cfg: (triton.cdiv(d_out, cfg["BLOCK_M"]), 1)  # noqa: E731
+    grid = lambda cfg: (triton.cdiv(d_out, cfg["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
     for cfg in EPILOGUE_SWEEP:
         part.fill_(float("nan"))
         try:
-            run = lambda cfg=cfg: ng._epilogue_kernel.fn[grid(cfg)](*epi_args, ALL_SLICES=True, BLOCK_J=block_j, **cfg)  # noqa: E731
-            t = ms(run, reps=30)
+            t = ms(lambda cfg=cfg: ng._epilogue_kernel.fn[grid(cfg)](*epi_args, BLOCK_J=block_j, **cfg), reps=30)
         except Exception as e:  # noqa: BLE001
             print("config failed", cfg, type(e).__name__, str(e)[:100])
             continue
@@ -126,14 +123,14 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     g = ng.gram(a16)
     add("piece: A to bf16", ms(lambda: a.to(w.dtype)))
     add("piece: Gram a a^T (cuBLAS, fp32 out)", ms(lambda: ng.gram(a16)))
-    add("piece: cross term W a^T (cuBLAS, bf16 out)", ms(lambda: ng._mm_half(w, a16.T)))
+    add("piece: cross term W a^T (cuBLAS, fp32 out)", ms(lambda: ng._mm_f32(w, a16.T)))
     add("piece: ||W||^2 (Triton row reduction)", ms(lambda: ng.weight_sq(w)))
-    c = ng._mm_half(w, a16.T)
+    c = ng._mm_f32(w, a16.T)
     block_j = kn.configs.norm_block_r(r)
-    part = torch.empty((1, d_out), device=DEV)
+    part = torch.empty((triton.cdiv(r, block_j), d_out), device=DEV)
     epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), part.stride(0))
-    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]), 1)  # noqa: E731
-    epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, ALL_SLICES=True, BLOCK_J=block_j)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
+    epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j)  # noqa: E731
     add("piece: Triton epilogue (B G on TF32, row-dot)", ms(epilogue))
     print("    autotuned config:", getattr(ng._epilogue_kernel, "best_config", None))
     add("cuBLAS W @ A16^T alone, bf16 out (reference rate)", ms(lambda: torch.mm(w, a16.T)))
@@ -164,44 +161,6 @@ def repeat_rows(shape, r, n):
     print(f"{shape} r={r}: median {shares[n // 2]:.1%}, min {shares[0]:.1%}, max {shares[-1]:.1%} over {n} repeats")
 
 
-FORMS = {  # (ALL_SLICES, HALF_C) of kernels/norm_gemm.py
-    "slice grid, fp32 C (7th session)": (False, False),
-    "slice grid, bf16 C": (False, True),
-    "row loop, fp32 C": (True, False),
-    "row loop, bf16 C (8th session)": (True, True),
-}
-
-
-def ab_rows(shape, r, n):
-    """Each epilogue form's CUDA-graph replay, measured in turns ``n`` times against the bf16 GEMM, with its error."""
-    d_in, d_out = (int(v) for v in shape.split("x"))
-    torch.manual_seed(0)
-    w = torch.randn(d_out, d_in, device=DEV, dtype=torch.bfloat16)
-    a = torch.randn(r, d_in, device=DEV) / d_in**0.5
-    b = torch.randn(d_out, r, device=DEV)
-    m = torch.rand(d_out, device=DEV) + 0.5
-    ref = row_norm_ref(w.double(), a.double(), b.double(), 1.0).square_()
-    w_sq = ng.weight_sq(w)
-    graphs = {}
-    for name, (all_slices, half_c) in FORMS.items():
-        ng.ALL_SLICES, ng.HALF_C = all_slices, half_c
-        graphs[name] = kn.NormGraph(w, a, b, 1.0, m, w_sq)
-        err = ((graphs[name]().square()[0].double() - ref).abs().max() / ref.abs().max()).item()
-        print(f"{shape} r={r} {name}: max rel err of norm^2 vs float64 {err:.1e}")
-    ng.ALL_SLICES, ng.HALF_C = True, True
-    shares = {name: [] for name in graphs}
-    for _ in range(n):
-        gemm = timing.gemm_tflops(DEV, n=8192)
-        for name, graph in graphs.items():
-            t = ms(lambda graph=graph: graph.graph.replay(), reps=200)
-            shares[name].append((2 * d_out * d_in * r / (t * 1e-3) / 1e12 / gemm, t))
-    for name, got in shares.items():
-        got.sort()
-        share, t = got[n // 2]
-        print(f"{shape} r={r} {name:36s} median {share:.1%} of the bf16 GEMM ({t:.4f} ms), "
-              f"min {got[0][0]:.1%}, max {got[-1][0]:.1%} over {n} turns")  # fmt: skip
-
-
 def load_old(path):
     """The earlier module, autotuning over the config list it shipped with (87cfff6's NORM_FWD)."""
     spec = importlib.util.spec_from_file_location("old_norm", path)
@@ -227,13 +186,8 @@ if __name__ == "__main__":
         help="only: the first shape's graph replay and the bf16 GEMM, N times alternately (the run-to-run spread of "
         "the norm's share of the GEMM rate)",
     )  # fmt: skip
-    p.add_argument("--ab", type=int, default=0, help="only: the epilogue forms (FORMS) in turns, N times per shape")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    if args.ab:
-        for s in args.shapes:
-            ab_rows(s, args.rank, args.ab)
-        sys.exit(0)
     if args.repeat:
         repeat_rows(args.shapes[0], args.rank, args.repeat)
         sys.exit(0)

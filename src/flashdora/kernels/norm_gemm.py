@@ -4,14 +4,13 @@
 weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA matmul's own cast rounds it.
 
 1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
-2. ``C = W a^T`` by cuBLAS, float32 accumulation, written in bf16 for bf16 W (float32 for fp16 W, whose range
-   could overflow): the tensor cores at their GEMM rate, which our Triton GEMM reached only half of on an H100
-   (docs/decisions.md).
-3. ``_epilogue_kernel``, per block of rows, walking r in slices: ``B G[:, slice]`` on TF32 (a plain GEMM loop,
-   K = r), the row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` (given: the norm cache keeps it per weight
-   version); ``kernels/norm.py`` finishes the norm and DoRA's scales in one more launch.
+2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
+   half of on an H100 (docs/decisions.md).
+3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
+   row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
+   version); ``kernels/norm.py`` sums the slices and computes the norm and DoRA's scales in one more launch.
 
-``C`` is ``[rows, r]``, walked in row chunks of at most 16 Mi elements. Eager twin: ``norm_sq_eager`` in
+``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
 ``ops/norm.py``. float32 weights take ``kernels/norm.py``'s fused kernel (float32-accurate TF32x3).
 """
 
@@ -24,7 +23,7 @@ import triton.language as tl
 from flashdora import backend
 from flashdora.kernels import configs
 
-_CHUNK_ELEMENTS = 16 * 1024 * 1024  # elements of C per chunk (32 MiB in bf16, 64 MiB in fp32)
+_CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
 
 
 @triton.jit
@@ -64,44 +63,34 @@ def _gram_term(
     return acc
 
 
-@triton.autotune(configs=configs.NORM_EPILOGUE, key=["r", "ALL_SLICES"])
+@triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"])
 @triton.jit(do_not_specialize=["rows"])
 def _epilogue_kernel(
     p_c, p_b, p_gram, p_wsq, p_part,
     rows, r, two_s, s_sq,
     stride_c, stride_bm, stride_br, stride_part,
-    ALL_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """Partial squared norms of BLOCK_M rows: over each BLOCK_J slice of r, ``T = 2s C + s^2 B G[:, slice]`` (a
-    plain GEMM loop over K = r on TF32) dotted with ``B[rows, slice]``, plus ``||W||^2``.
-
-    ``ALL_SLICES``: one program walks every slice of its rows and writes their whole sum (one partial row; ``C`` and
-    ``B`` rows stay in cache between slices). Otherwise program (rows, j) writes slice j's row of partials."""
+    """One [BLOCK_M rows, BLOCK_J slice of r] tile: ``T = 2s C + s^2 B G[:, slice]`` (a plain GEMM loop over K = r
+    on TF32) dotted with ``B[rows, slice]``; one partial squared norm per row and slice (slice 0 adds ``||W||^2``)."""
     pid_m = tl.program_id(0).to(tl.int64)
+    pid_j = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
     mask_m = offs_m < rows
-    if ALL_SLICES:
-        j_start, j_end, pid_j = 0, r, 0
-    else:
-        pid_j = tl.program_id(1).to(tl.int64)
-        j_start = pid_j * BLOCK_J
-        j_end = j_start + BLOCK_J
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mask_j = offs_j < r
+    bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+    bg = _gram_term(
+        bg, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, 1.0, False, "tf32", BLOCK_G
+    )  # fmt: skip
+    mask = mask_m[:, None] & mask_j[None, :]
+    b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
+    p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
+    b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
+    part = tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)  # [BLOCK_M]
     if pid_j == 0:
-        total += tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)
-    for j in range(j_start, j_end, BLOCK_J):
-        offs_j = j + tl.arange(0, BLOCK_J).to(tl.int64)  # [BLOCK_J]
-        mask_j = offs_j < r
-        bg = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
-        bg = _gram_term(
-            bg, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, 1.0, False, "tf32", BLOCK_G
-        )  # fmt: skip
-        mask = mask_m[:, None] & mask_j[None, :]
-        b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0).to(tl.float32)
-        p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
-        b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
-        total += tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)  # [BLOCK_M]
-    tl.store(p_part + pid_j * stride_part + offs_m, total, mask=mask_m)
+        part += tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)
+    tl.store(p_part + pid_j * stride_part + offs_m, part, mask=mask_m)
 
 
 def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -110,13 +99,6 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return torch.mm(x, y, out_dtype=torch.float32)
     return torch.mm(x.float(), y.float())
-
-
-def _mm_half(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x @ y`` of 16-bit operands, float32 accumulation, rounded to their dtype once at the end (cuBLAS on CUDA)."""
-    if x.is_cuda:
-        return torch.mm(x, y)
-    return torch.mm(x.float(), y.float()).to(x.dtype)
 
 
 def gram(a: torch.Tensor) -> torch.Tensor:
@@ -140,19 +122,12 @@ def weight_sq(weight: torch.Tensor) -> torch.Tensor:
 
 
 def norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
-    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` for a 16-bit ``weight`` (their column sums
-    are the squared norms; ``w_sq``, ``||W||^2``, is added in row 0; ``n`` is 1 unless ``ALL_SLICES`` is off).
+    """``[n_slices, d_out]`` float32 partial squared row norms of ``W + s B A`` for a 16-bit ``weight`` (their column
+    sums are the squared norms; ``w_sq``, ``||W||^2``, is added in slice 0).
 
     Autocast is off inside: it would run the float32 matmuls of the CPU path in 16 bits."""
     with backend.autocast_off(weight.device.type):
         return _norm_half(weight, lora_A, lora_B, scaling, w_sq)
-
-
-# The form of the epilogue and of C (the A/B of the eighth session, benchmarks/norm_variants.py): one program per
-# row block walking every r-slice, C in W's dtype when W is bf16 (fp16's range could overflow), against one program
-# per (row block, r-slice) and C in float32.
-ALL_SLICES = True
-HALF_C = True
 
 
 def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
@@ -161,21 +136,17 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
     g = gram(a)
     block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
-    all_slices = ALL_SLICES
-    n_part = 1 if all_slices else triton.cdiv(r, block_j)
-    half_c = HALF_C and weight.dtype == torch.bfloat16
-    part = torch.empty((n_part, d_out), dtype=torch.float32, device=weight.device)
+    part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
-        c = _mm_half(weight[i : i + rows], a.T) if half_c else _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
+        c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
         b = lora_B[i : i + rows]
-        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), n_part)  # noqa: E731
+        grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (
             c, b, g, w_sq[i : i + rows], part[:, i : i + rows],
             rows, r, 2.0 * scaling, scaling * scaling,
             c.stride(0), b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
-        flags = dict(ALL_SLICES=all_slices, BLOCK_J=block_j)
-        configs.launch(_epilogue_kernel, grid, (r, b.dtype, c.dtype, all_slices), args, flags)
+        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
     return part
