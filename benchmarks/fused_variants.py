@@ -58,7 +58,8 @@ def copy_speed() -> float:
 def sweep(res, a, b32, g, gm1, n):
     """The fused kernel (float32 B) under each tile config of ``SWEEP``; prints the five fastest."""
     y, inner = torch.empty_like(res), torch.empty_like(res)
-    kargs = (res, a, b32, res, g, g, gm1, y, inner, t, n, r, 1.0, n, r, r, n, n, n)
+    sc = torch.stack([g, gm1])
+    kargs = (res, a, b32, res, sc, sc, y, inner, t, n, r, 1.0, n, r, r, n, n, n, n)
     flags = dict(
         HAS_BIAS=False, HAS_LX_BASE=False, SAVE_INNER=save, ROUND_BASE=False, EMULATE_RNE=False,
         DOT_PRECISION="tf32", UPCAST_DOT=False,
@@ -89,13 +90,14 @@ def measure(n, copy_gbs):
     b16 = b32.to(torch.bfloat16)
     g = torch.rand(n, device=dev) + 0.5
     gm1 = g - 1
+    sc = torch.stack([g, gm1])
     moved = t * n * 2 * (3 if save else 2)  # result read, y (and inner) written
 
     def fused(b):
-        return kc.compose_fwd_fused(res, a, b, g, gm1, 1.0, save_inner=save)
+        return kc.compose_fwd_fused(res, a, b, sc, 1.0, save_inner=save)
 
     def unfused():
-        return kc.compose_fwd(res, torch.nn.functional.linear(a, b16), g, gm1, 1.0, save_inner=save)
+        return kc.compose_fwd(res, torch.nn.functional.linear(a, b16), sc, 1.0, save_inner=save)
 
     variants = {
         "fused fp32 B": lambda: fused(b32),

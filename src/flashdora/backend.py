@@ -16,14 +16,36 @@ _counts: Counter[str] = Counter()
 _warned: set[str] = set()
 
 
+_ENV_DATA = getattr(os.environ, "_data", None)  # the dict behind os.environ (CPython), read without its Python layers
+_ENV_ENCODE = getattr(os.environ, "encodekey", None)
+
+
+def env_raw(name: str):
+    """``os.environ.get(name)`` as stored (bytes on POSIX; ``None`` when unset), at a dict lookup's cost: the layer
+    path reads its switches on every call, where ``os.environ.get`` costs three Python calls. The caller decodes."""
+    if _ENV_DATA is None or _ENV_ENCODE is None:
+        return os.environ.get(name)
+    return _ENV_DATA.get(_env_key(name))
+
+
+@functools.cache
+def _env_key(name: str):
+    return _ENV_ENCODE(name)
+
+
+def env_str(raw) -> str:
+    """An ``env_raw`` value as ``str``."""
+    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+
+
 def requested_backend() -> str:
     """The backend named by ``FLASHDORA_BACKEND`` (default ``auto``); read on every call so tests can switch it."""
-    return _parse_backend(os.environ.get("FLASHDORA_BACKEND"))
+    return _parse_backend(env_raw("FLASHDORA_BACKEND"))
 
 
 @functools.lru_cache(maxsize=16)
-def _parse_backend(raw: str | None) -> str:
-    value = (raw or "auto").strip().lower() or "auto"
+def _parse_backend(raw) -> str:
+    value = (env_str(raw) or "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ValueError(f"FLASHDORA_BACKEND expected one of {', '.join(BACKENDS)}, got {value!r}")
     return value
@@ -63,7 +85,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not triton_available():
         raise RuntimeError("FLASHDORA_BACKEND=triton, but triton is not importable; install triton or use eager")
     on_cuda = all(t.is_cuda for t in tensors)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
+    interpreted = env_str(env_raw("TRITON_INTERPRET")) == "1" and all(t.device.type == "cpu" for t in tensors)
     if not (on_cuda or interpreted):
         devices = sorted({str(t.device) for t in tensors})
         raise RuntimeError(

@@ -56,7 +56,7 @@ def test_compose_fwd(lead, d_out, dtype, lora_dtype, has_bias, has_lx_base, devi
     lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
     bias = torch.randn(d_out, device=device, dtype=dtype) if has_bias else None
     g, gm1 = _scales(d_out, device)
-    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, torch.stack([g, gm1]), 0.7, bias, lx_base)
     ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
     eager_y, eager_inner = compose_fwd_eager(result, lora, g, gm1, 0.7, bias, lx_base)
     assert out_y.dtype == dtype and out_inner.dtype == dtype
@@ -82,7 +82,7 @@ def test_compose_fwd_non_contiguous(layout, has_lx_base, device, poisoned_empty)
     lx_base = torch.randn(d_out, t, device=device).T if has_lx_base else None
     bias = torch.randn(d_out, device=device)
     g, gm1 = _scales(d_out, device)
-    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, -1.3, bias, lx_base)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, torch.stack([g, gm1]), -1.3, bias, lx_base)
     ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, -1.3, bias, lx_base)
     assert_close(out_y, ref_y, RTOL[torch.float32], "y")
     assert_close(out_inner, ref_inner, RTOL[torch.float32], "inner")
@@ -92,7 +92,7 @@ def test_compose_fwd_no_inner(device, poisoned_empty):
     result = torch.randn(3, 50, device=device, dtype=torch.bfloat16)
     lora = torch.randn(3, 50, device=device)
     g, gm1 = _scales(50, device)
-    out_y, out_inner = _kernels().compose_fwd(result, lora, g, gm1, 0.5, None, None, save_inner=False)
+    out_y, out_inner = _kernels().compose_fwd(result, lora, torch.stack([g, gm1]), 0.5, None, None, save_inner=False)
     ref_y, _ = _ref_fwd(result, lora, g, gm1, 0.5, None, None)
     assert out_inner is None
     assert_close(out_y, ref_y, RTOL[torch.bfloat16], "y")
@@ -151,12 +151,14 @@ def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, device, 
     lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
     bias = torch.randn(d_out, device=device, dtype=dtype)
     g, gm1 = _scales(d_out, device)
-    out_y, out_inner = _kernels().compose_fwd_fused(result, a, lora_B, g, gm1, 0.7, bias, lx_base)
+    out_y, out_inner = _kernels().compose_fwd_fused(result, a, lora_B, torch.stack([g, gm1]), 0.7, bias, lx_base)
     lora = a.double() @ lora_B.to(a_dtype).double().T
     ref_y, ref_inner = _ref_fwd(result, lora, g, gm1, 0.7, bias, lx_base)
     assert_close(out_y, ref_y, RTOL[dtype], "y")
     assert_close(out_inner, ref_inner, RTOL[dtype], "inner")
-    out_y2, no_inner = _kernels().compose_fwd_fused(result, a, lora_B, g, gm1, 0.7, bias, lx_base, save_inner=False)
+    out_y2, no_inner = _kernels().compose_fwd_fused(
+        result, a, lora_B, torch.stack([g, gm1]), 0.7, bias, lx_base, save_inner=False
+    )
     assert no_inner is None and torch.equal(out_y2, out_y)
 
 
@@ -269,6 +271,6 @@ def test_compose_fwd_rounds_like_its_eager_twin(dtype, bias_dtype, has_lx_base, 
     bias = None if bias_dtype is None else torch.randn(n, dtype=dtype if bias_dtype == "same" else bias_dtype)
     g = (0.5 + torch.rand(n)).float()
     gm1 = g - 1
-    y, inner = _kernels().compose_fwd(result, lora, g, gm1, 1.5, bias, lx_base)
+    y, inner = _kernels().compose_fwd(result, lora, torch.stack([g, gm1]), 1.5, bias, lx_base)
     y_eager, inner_eager = compose_fwd_eager(result, lora, g, gm1, 1.5, bias, lx_base)
     assert torch.equal(y, y_eager) and torch.equal(inner, inner_eager)

@@ -64,9 +64,9 @@ def _compose_tile(
 @triton.autotune(configs=configs.COMPOSE_FWD, key=["N"])
 @triton.jit(do_not_specialize=["T"])
 def _compose_fwd_kernel(
-    p_result, p_lora, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    p_result, p_lora, p_lx_base, p_bias, p_scales, p_y, p_inner,
     T, N, scaling,
-    stride_result, stride_lora, stride_lx_base, stride_y, stride_inner,
+    stride_result, stride_lora, stride_lx_base, stride_y, stride_inner, stride_scales,
     HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -80,7 +80,7 @@ def _compose_fwd_kernel(
     p_lora_tile = p_lora + offs_m[:, None] * stride_lora + offs_n[None, :]
     b_lora = tl.load(p_lora_tile, mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
     _compose_tile(
-        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        b_lora, p_result, p_lx_base, p_bias, p_scales, p_scales + stride_scales, p_y, p_inner,
         offs_m, offs_n, mask_m, mask_n, scaling,
         stride_result, stride_lx_base, stride_y, stride_inner,
         HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
@@ -90,9 +90,9 @@ def _compose_fwd_kernel(
 @triton.autotune(configs=configs.COMPOSE_FUSED, key=["N", "R"])
 @triton.jit(do_not_specialize=["T"])
 def _compose_fused_fwd_kernel(
-    p_result, p_a, p_lora_B, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+    p_result, p_a, p_lora_B, p_lx_base, p_bias, p_scales, p_y, p_inner,
     T, N, R, scaling,
-    stride_result, stride_a, stride_lora_B, stride_lx_base, stride_y, stride_inner,
+    stride_result, stride_a, stride_lora_B, stride_lx_base, stride_y, stride_inner, stride_scales,
     HAS_BIAS: tl.constexpr, HAS_LX_BASE: tl.constexpr, SAVE_INNER: tl.constexpr, ROUND_BASE: tl.constexpr,
     EMULATE_RNE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -121,7 +121,7 @@ def _compose_fused_fwd_kernel(
         p_bk += BLOCK_K
     b_lora = _to_out(b_lora, p_a.dtype.element_ty, EMULATE_RNE)  # rounded like the unfused matmul's output
     _compose_tile(
-        b_lora, p_result, p_lx_base, p_bias, p_g, p_gm1, p_y, p_inner,
+        b_lora, p_result, p_lx_base, p_bias, p_scales, p_scales + stride_scales, p_y, p_inner,
         offs_m, offs_n, mask_m, mask_n, scaling,
         stride_result, stride_lx_base, stride_y, stride_inner,
         HAS_BIAS, HAS_LX_BASE, SAVE_INNER, ROUND_BASE, EMULATE_RNE,
@@ -131,14 +131,17 @@ def _compose_fused_fwd_kernel(
 @triton.autotune(configs=configs.COMPOSE_BWD, key=["N"])
 @triton.jit(do_not_specialize=["T", "rows_per_prog"])
 def _compose_bwd_kernel(
-    p_dy, p_inner, p_g, p_gm1, p_inv, p_gdy, p_d_lx_base, p_dg_part,
+    p_dy, p_inner, p_scales, p_gdy, p_d_lx_base, p_dg_part,
     T, N, rows_per_prog, gdy_scale,
-    stride_dy, stride_inner, stride_gdy, stride_d_lx_base,
+    stride_dy, stride_inner, stride_gdy, stride_d_lx_base, stride_scales,
     HAS_INNER: tl.constexpr, HAS_LX_BASE: tl.constexpr, EMULATE_RNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """(dy gdy_scale) g and (g - 1) dy for rows [pid_s * rows_per_prog, +rows_per_prog), and that range's sum of
-    dy * inner / norm (the magnitude gradient's share)."""
+    dy * inner / norm (the magnitude gradient's share). ``p_scales``: rows g, g - 1 and 1 / norm, ``stride_scales``
+    apart."""
+    p_g = p_scales
+    p_gm1 = p_scales + stride_scales
     pid_s = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)  # [BLOCK_N]
@@ -164,7 +167,7 @@ def _compose_bwd_kernel(
             b_inner = tl.load(p_inner + offs_m[:, None] * stride_inner + offs_n[None, :], mask=mask, other=0.0)
             b_dg += b_dy * b_inner.to(acc)
     if HAS_INNER:
-        b_inv = tl.load(p_inv + offs_n, mask=mask_n, other=0.0)
+        b_inv = tl.load(p_scales + 2 * stride_scales + offs_n, mask=mask_n, other=0.0)
         tl.store(p_dg_part + pid_s * N + offs_n, tl.sum(b_dg, axis=0) * b_inv, mask=mask_n)
 
 
@@ -180,11 +183,15 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)  # (``triton.cdiv`` is a ConstexprFunction in recent Triton: several Python calls on the host)
+
+
 # The wrappers below run once per layer call on the host, which is the bottleneck at ordinary layer sizes: they do
 # no checks (ops/ validates) and as few torch calls as they can (outputs are allocated in their final shape).
 
 
-def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
+def _fwd_io(result, scales, bias, lx_base, save_inner):
     """Shared forward plumbing: row views, optional-input stand-ins, the (y, inner) outputs and the flags."""
     n = result.shape[-1]
     t = result.numel() // n if n > 0 else 0
@@ -192,7 +199,7 @@ def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
     has_lx_base = lx_base is not None
     has_bias = bias is not None and not has_lx_base
     lb2, stride_lb = _rows(lx_base, n) if has_lx_base else (res2, stride_res)
-    bias_c = bias.contiguous() if has_bias else g
+    bias_c = bias.contiguous() if has_bias else scales
     y = torch.empty(result.shape, dtype=result.dtype, device=result.device)
     inner = torch.empty(result.shape, dtype=result.dtype, device=result.device) if save_inner else y
     # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
@@ -204,23 +211,29 @@ def _fwd_io(result, g, gm1, bias, lx_base, save_inner):
     return t, n, (res2, stride_res), (lb2, stride_lb), bias_c, y, inner, flags
 
 
-def compose_fwd(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
-    """Triton ``compose_fwd_eager``: ``(y, inner or None)``, both shaped and typed like ``result``."""
-    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+def _grid_2d(t: int, n: int):
+    return lambda meta: (_cdiv(t, meta["BLOCK_M"]), _cdiv(n, meta["BLOCK_N"]))
+
+
+def compose_fwd(result, lora, scales, scaling, bias=None, lx_base=None, save_inner=True):
+    """Triton ``compose_fwd_eager``: ``(y, inner or None)``, both shaped and typed like ``result``.
+
+    ``scales``: rows ``g`` and ``g - 1`` (more rows may follow, e.g. ``1 / norm``), each contiguous.
+    """
+    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, scales, bias, lx_base, save_inner)
     lora2, s_lora = _rows(lora, n)
     if t > 0 and n > 0:
-        grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
         args = (
-            res2, lora2, lb2, bias_c, g, gm1, y, inner,
+            res2, lora2, lb2, bias_c, scales, y, inner,
             t, n, float(scaling),
-            s_res, s_lora, s_lb, n, n,
+            s_res, s_lora, s_lb, n, n, scales.stride(0),
         )  # fmt: skip
-        key = (n, result.dtype, lora.dtype, lb2.dtype, bias_c.dtype, g.dtype)
-        configs.launch(_compose_fwd_kernel, grid, key, args, flags)
+        key = (n, result.dtype, lora.dtype, lb2.dtype, bias_c.dtype, scales.dtype)
+        configs.launch(_compose_fwd_kernel, _grid_2d(t, n), key, args, flags)
     return y, inner if save_inner else None
 
 
-def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
+def compose_fwd_fused(result, a, lora_B, scales, scaling, bias=None, lx_base=None, save_inner=True):
     """``compose_fwd(result, a @ lora_B^T, ...)`` with the LoRA B matmul inside the kernel (never written out).
 
     ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]`` in any float dtype, rounded to ``a``'s
@@ -229,55 +242,53 @@ def compose_fwd_fused(result, a, lora_B, g, gm1, scaling, bias=None, lx_base=Non
     PEFT's under bf16 (docs/decisions.md).
     """
     r = a.shape[-1]
-    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, g, gm1, bias, lx_base, save_inner)
+    t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, scales, bias, lx_base, save_inner)
     a2, s_a = _rows(a, r)
     b = lora_B if lora_B.stride(1) == 1 else lora_B.contiguous()
     if t > 0 and n > 0:
-        grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
         args = (
-            res2, a2, b, lb2, bias_c, g, gm1, y, inner,
+            res2, a2, b, lb2, bias_c, scales, y, inner,
             t, n, r, float(scaling),
-            s_res, s_a, b.stride(0), s_lb, n, n,
+            s_res, s_a, b.stride(0), s_lb, n, n, scales.stride(0),
         )  # fmt: skip
         flags["DOT_PRECISION"] = "tf32x3" if a.dtype == torch.float32 else "tf32"
         flags["UPCAST_DOT"] = configs.INTERPRETED and a.dtype == torch.bfloat16
-        key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, g.dtype)
-        configs.launch(_compose_fused_fwd_kernel, grid, key, args, flags)
+        key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, scales.dtype)
+        configs.launch(_compose_fused_fwd_kernel, _grid_2d(t, n), key, args, flags)
     return y, inner if save_inner else None
 
 
 def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     """Triton ``compose_bwd_eager``: ``((dy gdy_scale) g, (g - 1) dy or None, sum_tokens dy * inner / norm or None)``.
 
-    ``scales``: ``[3, d_out]`` rows ``(g, g - 1, 1 / norm)``. The magnitude gradient is deterministic: each program
-    writes its own token range's partial sum to a ``[n_splits, d_out]`` buffer, and ``torch.sum`` adds the rows in
-    a fixed order.
+    ``scales``: ``[3, d_out]`` rows ``(g, g - 1, 1 / norm)``, each contiguous. The magnitude gradient is
+    deterministic: each program writes its own token range's partial sum to a ``[n_splits, d_out]`` buffer, and
+    ``torch.sum`` adds the rows in a fixed order.
     """
     n = dy.shape[-1]
     t = dy.numel() // n if n > 0 else 0
     dy2, s_dy = _rows(dy, n)
     inner2, s_inner = _rows(inner, n) if inner is not None else (dy2, s_dy)
-    g, gm1, inv = scales.unbind(0)
     gdy = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
     d_lx_base = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
     rows_per_prog = _rows_per_prog(t, n, dy.device)
-    n_split = triton.cdiv(t, rows_per_prog) if t > 0 else 0
-    dg_part = torch.empty((n_split, n), dtype=g.dtype, device=dy.device) if inner is not None else g
+    n_split = _cdiv(t, rows_per_prog) if t > 0 else 0
+    dg_part = torch.empty((n_split, n), dtype=scales.dtype, device=dy.device) if inner is not None else scales
     if t > 0 and n > 0:
-        grid = lambda meta: (n_split, triton.cdiv(n, meta["BLOCK_N"]))
         args = (
-            dy2, inner2, g, gm1, inv, gdy, d_lx_base, dg_part,
+            dy2, inner2, scales, gdy, d_lx_base, dg_part,
             t, n, rows_per_prog, float(gdy_scale),
-            s_dy, s_inner, n, n,
+            s_dy, s_inner, n, n, scales.stride(0),
         )  # fmt: skip
         flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)
-        configs.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, g.dtype), args, flags)
+        grid = lambda meta: (n_split, _cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        configs.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, scales.dtype), args, flags)
     dg = None
     if inner is not None:
         if n_split == 1:
             dg = dg_part[0]
         else:
-            dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=g.dtype, device=dy.device)
+            dg = dg_part.sum(0) if n_split > 0 else torch.zeros(n, dtype=scales.dtype, device=dy.device)
     return gdy, d_lx_base if has_lx_base else None, dg
 
 
@@ -293,7 +304,7 @@ def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
     q = configs.COMPOSE_BWD_ROW_QUANTUM
     sms = configs.sm_count(device)
     target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
-    col_blocks = triton.cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
-    n_split = max(1, triton.cdiv(target, col_blocks))
-    rows = _ROWS_PER_PROG[key] = max(q, triton.cdiv(triton.cdiv(t, n_split), q) * q)
+    col_blocks = _cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
+    n_split = max(1, _cdiv(target, col_blocks))
+    rows = _ROWS_PER_PROG[key] = max(q, _cdiv(_cdiv(t, n_split), q) * q)
     return rows

@@ -65,46 +65,56 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
 _CAST_B_FIRST = 8 * 2**20
 
 
-def _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner):
-    """Forward body: ``(y, a, inner | None, lx_c, A_c)``: ``a = lx A^T``; ``lx_c``, ``A_c`` are the LoRA input and
-    ``lora_A`` in the matmul dtype (backward reuses them instead of casting again)."""
-    triton = backend.use_triton(result)
-    backend.count("triton" if triton else "eager")
-    # No autocast context: every matmul operand is cast to ``compute_dtype`` here, which is the autocast dtype
-    # whenever autocast is on (``_compute_dtype``), so autocast has nothing to change (and entering it costs).
-    lx_c, a_c = _cast(lx, compute_dtype), _cast(lora_A, compute_dtype)
-    a = F.linear(lx_c, a_c)  # [..., r]
-    g, gm1, _ = scales.unbind(0)
-    if triton:  # the LoRA B matmul runs inside the compose kernel, never written
+def _lora_a(lx, lora_A, compute_dtype):
+    """``a = lx A^T`` in the matmul dtype, as plain autograd ops: their backward (``dA``, ``d lx``, the casts back
+    to the parameters' dtypes) runs in torch's C++ engine, as PEFT's does. Under autocast, autocast casts both
+    operands (in C++, one Python call fewer than an explicit cast)."""
+    if torch.is_autocast_enabled(lx.device.type):
+        return F.linear(lx, lora_A)
+    return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))
+
+
+def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner):
+    """Forward body from the LoRA A output ``a``: ``(y, inner | None)``."""
+    if backend.use_triton(result):  # the LoRA B matmul runs inside the compose kernel, never written
+        backend.count("triton")
         from flashdora.kernels.compose import compose_fwd_fused
 
         # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
         # GPU time saved outweighs the extra launch's host time (docs/decisions.md).
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
-        y, inner = compose_fwd_fused(result, a, b, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
-    else:
-        lora = F.linear(a, _cast(lora_B, compute_dtype))  # [..., d_out]
-        y, inner = compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
-    return y, a, inner, lx_c, a_c
+        return compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
+    backend.count("eager")
+    g, gm1, _ = scales.unbind(0)
+    lora = F.linear(a, _cast(lora_B, compute_dtype))  # [..., d_out]
+    return compose_fwd_eager(result, lora, g, gm1, scaling, bias, lx_base, save_inner=save_inner)
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
 
 
 def _mm(x, y, alpha):
     """``alpha x @ y`` in the operands' dtype: a LoRA weight's gradient, rounded where PEFT's autocast matmul rounds
-    it (the caller casts it to the parameter's dtype). ``s`` rides on the GEMM's alpha, never on a separate pass."""
-    return torch.mm(x, y) if alpha == 1.0 else torch.addmm(x.new_empty(()), x, y, beta=0, alpha=alpha)
+    it (autograd then casts it to the parameter's dtype). ``s`` rides on the GEMM's alpha, never on a separate pass
+    (``addmm`` with ``beta = 0`` ignores its input: one cached 0-dim tensor per dtype and device)."""
+    if alpha == 1.0:
+        return torch.mm(x, y)
+    key = (x.dtype, x.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = x.new_zeros(())
+    return torch.addmm(zero, x, y, beta=0, alpha=alpha)
 
 
-def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_bias, needs, dtypes):
-    """Backward body: ``[d_result, d_lx, d_lx_base, d_bias, d_A, d_B, d_m]``, None where not needed.
+def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+    """Backward body: ``[d_result, d_a, d_lx_base, d_bias, d_B, d_m]``, None where not needed (``needs``, that order).
 
-    ``needs`` follows that order; ``d_result`` is ``g dy`` without ``lx_base`` (with it, the caller passes ``dy``).
-    ``lora_A`` comes in the matmul dtype, ``lora_B`` in any. ``d_B`` and ``d_A`` are rounded to the matmul dtype, as
-    the matmuls of PEFT's autocast path give them, then cast to ``dtypes`` (the parameters') right after their GEMM,
-    so each 16-bit product is dropped before the next GEMM allocates: the backward's peak memory is the
-    ``[tokens, d_out]`` tensors plus one weight gradient at a time. ``d_lx`` comes last.
+    ``d_result`` is ``g dy`` without ``lx_base``, ``dy`` with it. ``d_a`` and ``d_B`` are rounded to the matmul
+    dtype (``a``'s), as the matmuls of PEFT's autocast path give them; autograd casts each gradient to its input's
+    dtype (``lora_B``'s float32 on PEFT's adapters).
     """
     cd = a.dtype
-    out = [None] * 7
+    out = [None] * 6
     with backend.autocast_off(dy.device.type):  # on CUDA the backward runs with autocast off already
         # PEFT rounds the LoRA branch's gradient as (dy s) g. With lx_base, g dy feeds only the LoRA GEMMs: round it
         # that way and run them with alpha 1. Without, it is also d_result: keep g dy, put s on the GEMMs' alpha
@@ -116,61 +126,51 @@ def _bwd(dy, lx_c, a, inner, lora_A, lora_B, scales, scaling, has_lx_base, has_b
             gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
         else:
             gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base, lora_scale)
-        if needs[0] and not has_lx_base:
-            out[0] = gdy
+        if needs[0]:
+            out[0] = dy if has_lx_base else gdy
         if needs[2] and has_lx_base:
             out[2] = d_lx_base
         if needs[3] and has_bias and not has_lx_base:
             out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
-        if needs[1] or needs[4] or needs[5]:
-            gdy_c = _cast(gdy.reshape(-1, gdy.shape[-1]), cd)  # [T, d_out]
-            da = _mm(gdy_c, _cast(lora_B, cd), alpha)  # s gdy B: [T, r]
-            if needs[5]:
-                out[5] = _cast(_mm(gdy_c.T, a.reshape(-1, a.shape[-1]), alpha), dtypes[5])
+        if needs[1] or needs[4]:
+            n, r = gdy.shape[-1], a.shape[-1]
+            gdy_c = _cast(gdy.view(-1, n) if gdy.dim() != 2 else gdy, cd)  # [T, d_out]
             if needs[4]:
-                out[4] = _cast(_mm(da.T, lx_c.reshape(-1, lx_c.shape[-1]), 1.0), dtypes[4])
+                out[4] = _mm(gdy_c.T, a.view(-1, r) if a.dim() != 2 else a, alpha)  # s gdy^T a: [d_out, r]
             if needs[1]:
-                out[1] = (da @ lora_A).reshape(lx_c.shape)
-        if needs[6]:
-            out[6] = dg
+                da = _mm(gdy_c, _cast(lora_B, cd), alpha)  # s gdy B: [T, r]
+                out[1] = da.view(a.shape) if a.dim() != 2 else da
+        if needs[5]:
+            out[5] = dg
     return out
 
 
-def _finish_grads(grads, dy, needs, has_lx_base, dtypes):
-    """Gradients as autograd wants them: ``dy`` for ``result`` with ``lx_base``, each in its input's dtype."""
-    if has_lx_base and needs[0]:
-        grads[0] = dy
-    return tuple(g if g is None else _cast(g, dtypes[i]) for i, g in enumerate(grads))
-
-
 class ComposeFunction(torch.autograd.Function):
-    """The eager autograd boundary (under ``torch.compile``, ``compose`` traces ``_compose_traced`` instead)."""
+    """The eager autograd boundary (under ``torch.compile``, ``compose`` traces ``_compose_traced`` instead).
+
+    Its inputs start at the LoRA A output ``a``: the A matmul stays outside, in plain autograd (``_lora_a``)."""
 
     @staticmethod
-    def forward(ctx, result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, compute_dtype):
-        save_inner = ctx.needs_input_grad[6]
-        y, a, inner, lx_c, a_c = _fwd(
-            result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, compute_dtype, save_inner
-        )
-        ctx.save_for_backward(lx_c, a, inner, a_c)
+    def forward(ctx, result, a, lx_base, bias, lora_B, magnitude, scales, scaling, compute_dtype):
+        save_inner = ctx.needs_input_grad[5]
+        y, inner = _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner)
+        ctx.save_for_backward(a, inner)
         # lora_B (a parameter, alive anyway) and the [3, d_out] scales ride on ctx instead: under gradient
         # checkpointing every saved tensor costs Python pack and unpack hooks. lora_B's version is checked by hand.
-        dtypes = (None, lx.dtype, None, None, lora_A.dtype, lora_B.dtype, magnitude.dtype)
-        ctx.meta = (scaling, lx_base is not None, bias is not None, dtypes, lora_B, lora_B._version, scales)
+        ctx.meta = (scaling, lx_base is not None, bias is not None, lora_B, lora_B._version, scales)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        lx_c, a, inner, a_c = ctx.saved_tensors
-        scaling, has_lx_base, has_bias, dtypes, b_c, b_version, scales = ctx.meta
-        if b_c._version != b_version:
+        a, inner = ctx.saved_tensors
+        scaling, has_lx_base, has_bias, lora_B, b_version, scales = ctx.meta
+        if lora_B._version != b_version:
             raise RuntimeError(
                 "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
-                f"(version {b_version} -> {b_c._version}); the backward needs the values the forward used"
+                f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
             )
-        needs = list(ctx.needs_input_grad[:7])
-        grads = _bwd(dy, lx_c, a, inner, a_c, b_c, scales, scaling, has_lx_base, has_bias, needs, dtypes)
-        return (*_finish_grads(grads, dy, needs, has_lx_base, dtypes), None, None, None)
+        grads = _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, ctx.needs_input_grad)
+        return (*grads, None, None, None)
 
 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
@@ -198,14 +198,16 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
     ``scales`` is ``dora_scales(...)``: ``(g, g - 1, 1 / norm)`` for ``magnitude``. Output dtype: ``result.dtype``.
-    Eager calls use ``ComposeFunction`` (the fused kernels on the Triton path); compiled graphs plain torch ops.
+    Eager calls run the LoRA A matmul in plain autograd, then ``ComposeFunction`` (the fused kernels on the Triton
+    path); compiled graphs plain torch ops.
     """
     cd = _compute_dtype(result.device.type, lora_A)
     if torch.compiler.is_compiling():
         return _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, cd, bias, lx_base)
+    a = _lora_a(lx, lora_A, cd)  # [..., r]
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
-        return _fwd(result, lx, lx_base, bias, lora_A, lora_B, scales, scaling, cd, False)[0]
-    return ComposeFunction.apply(result, lx, lx_base, bias, lora_A, lora_B, magnitude, scales, scaling, cd)
+        return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False)[0]
+    return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:

@@ -6,7 +6,7 @@ norm never depends on the input; see ``NormCache``), behind the custom op ``flas
 
 from __future__ import annotations
 
-import os
+import functools
 import weakref
 
 import torch
@@ -150,7 +150,12 @@ def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) 
 
 def _switch_on(name: str) -> bool:
     """An on/off environment switch, on by default; ``0``, ``false``, ``off`` or ``no`` turns it off."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch_value(backend.env_raw(name))
+
+
+@functools.lru_cache(maxsize=16)
+def _switch_value(raw) -> bool:
+    return (backend.env_str(raw) or "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def cache_enabled() -> bool:
