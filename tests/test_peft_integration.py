@@ -144,6 +144,43 @@ def test_enable_disable_round_trip_and_idempotence():
     assert flashdora.stats() == {}  # PEFT's path ran: no flashdora counters
 
 
+def test_layer_class_swap_is_invisible_and_falls_back_to_peft(monkeypatch):
+    """``enable`` re-classes PEFT's LoRA Linear layers (a leaner dispatch) and ``disable`` restores them: the printed
+    model, copies and pickles stay the same, and calls the lean path does not take run PEFT's forward."""
+    import io
+
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    from flashdora import peft_integration
+    from flashdora.peft_integration import FlashDoraLinear
+
+    model = _llama()
+    text = repr(model)
+    ids = _ids(256)
+    flashdora.enable(model)
+    layers = [m for m in model.modules() if isinstance(m, PeftLinear)]
+    assert layers and all(type(m) is FlashDoraLinear for m in layers)
+    assert repr(model) == text
+    ref = _eval(model, ids)
+    assert torch.equal(_eval(copy.deepcopy(model), ids), ref)
+    with monkeypatch.context() as m:  # plain calls of flashdora layers never reach PEFT's Linear.forward
+        m.setattr(peft_integration, "_PEFT_LINEAR_FORWARD", None)
+        assert torch.equal(_eval(model, ids), ref)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.equal(_eval(torch.load(buf, weights_only=False), ids), ref)
+    peft_model = flashdora.disable(copy.deepcopy(model))
+    assert all(type(m) is PeftLinear for m in peft_model.modules() if isinstance(m, PeftLinear))
+    layer = layers[0]
+    with pytest.raises(ValueError, match="adapter_names"):  # PEFT's own check, via its forward
+        layer(torch.randn(2, 3, layer.in_features), adapter_names=["default"])
+    flashdora.reset_stats()
+    with model.disable_adapter(), peft_model.disable_adapter():  # PEFT's forward: the base layers alone
+        assert torch.equal(_eval(model, ids), _eval(peft_model, ids))
+    assert flashdora.stats() == {}
+
+
 def test_merge_unmerge_and_merge_and_unload():
     model = flashdora.enable(_llama())
     ids = _ids(256)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import variants
+from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -24,6 +25,7 @@ from flashdora.ops.compose import compose
 from flashdora.ops.norm import NormCache, dora_scales
 
 _PEFT_DORA = variants.DoraLinearVariant
+_PEFT_LINEAR_FORWARD = PeftLinear.forward
 _PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
 # DoRA variants of layer types flashdora does not handle: their PEFT forward runs, counted under this reason.
 _OTHER_DORA = {
@@ -174,6 +176,42 @@ class PeftDoraLinearVariant(_PEFT_DORA):
     forward = _PEFT_FORWARD
 
 
+class FlashDoraLinear(PeftLinear):
+    """PEFT's LoRA ``Linear``, as ``enable`` re-classes a model's layers: a plain call whose one active adapter runs
+    flashdora goes straight to it; any other call runs PEFT's own ``Linear.forward``.
+
+    The same function as PEFT's (``base_layer(x)``, PEFT's cast of ``x``, the variant's forward, the result in the
+    base layer's dtype), without PEFT's per-call dispatch: argument checks, properties, module-dict lookups and
+    keyword plumbing, host time a model pays on every layer call (docs/decisions.md). Printed as PEFT's class.
+    """
+
+    def forward(self, x, *args, **kwargs):
+        active = self._active_adapter
+        if type(active) is not str:
+            active = active[0] if len(active) == 1 else None
+        mods = self._modules
+        a_layers = mods["lora_A"]._modules
+        if (
+            args or kwargs or active is None or self._disable_adapters or self.merged_adapters
+            or active not in a_layers or type(self.lora_variant.get(active)) is not FlashDoraLinearVariant
+        ):  # fmt: skip
+            return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
+        result = mods["base_layer"](x)
+        dtype = result.dtype
+        x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
+        result = flash_forward(self, active, x, result)
+        return result if result.dtype == dtype else result.to(dtype)
+
+    def _get_name(self):
+        return "Linear"
+
+
+def _swap_linear_class(model: nn.Module, cls: type) -> None:
+    for module in model.modules():
+        if type(module) in (PeftLinear, FlashDoraLinear):
+            module.__class__ = cls
+
+
 _counting_classes: dict[type, type] = {}
 
 
@@ -231,6 +269,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
     if not isinstance(norm_cache, bool):
         raise TypeError(f"enable: norm_cache expected a bool, got {type(norm_cache).__name__}")
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
+    _swap_linear_class(model, FlashDoraLinear)
     LoraLayer._cast_input_dtype = _cast_input_dtype  # PEFT's method on every other layer (see its docstring)
     return model
 
@@ -240,6 +279,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
     _swap_variants(model, PeftDoraLinearVariant)
+    _swap_linear_class(model, PeftLinear)
     return model
 
 
