@@ -117,7 +117,12 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
         "triton": vers["triton"],
         "transformers": vers["transformers"],
         "peft": vers["peft"],
-        "protocol": {"backend_env": os.environ.get("FLASHDORA_BACKEND", "auto"), **protocol},
+        "protocol": {
+            "backend_env": os.environ.get("FLASHDORA_BACKEND", "auto"),
+            # the CUDA caching allocator's settings move eager training steps by 20% or more (docs/benchmarks.md)
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+            **protocol,
+        },
     }
 
 
