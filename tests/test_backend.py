@@ -85,3 +85,17 @@ def test_float64_stays_eager(monkeypatch):
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="float64 runs eager"):
         backend.use_triton(x)
+
+
+def test_switches_follow_a_replaced_environ():
+    """The switches are read from ``os.environ``'s own dict for speed, but a patched ``os.environ`` object (as
+    ``mock.patch("os.environ", ...)`` installs) is honoured too."""
+    from unittest import mock
+
+    from flashdora.ops.norm import cache_enabled
+
+    with mock.patch("os.environ", {"FLASHDORA_BACKEND": "eager", "FLASHDORA_NORM_CACHE": "0"}):
+        assert backend.requested_backend() == "eager" and not cache_enabled()
+    with mock.patch("os.environ", {"FLASHDORA_BACKEND": "bogus"}), pytest.raises(ValueError, match="bogus"):
+        backend.requested_backend()
+    assert backend.requested_backend() == "auto" and cache_enabled()

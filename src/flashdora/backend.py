@@ -16,14 +16,17 @@ _counts: Counter[str] = Counter()
 _warned: set[str] = set()
 
 
-_ENV_DATA = getattr(os.environ, "_data", None)  # the dict behind os.environ (CPython), read without its Python layers
-_ENV_ENCODE = getattr(os.environ, "encodekey", None)
+_ENVIRON = os.environ
+_ENV_DATA = getattr(_ENVIRON, "_data", None)  # the dict behind os.environ (CPython), read without its Python layers
+_ENV_ENCODE = getattr(_ENVIRON, "encodekey", None)
+_ENV_DECODE = getattr(_ENVIRON, "decodevalue", None)
 
 
 def env_raw(name: str):
     """``os.environ.get(name)`` as stored (bytes on POSIX; ``None`` when unset), at a dict lookup's cost: the layer
-    path reads its switches on every call, where ``os.environ.get`` costs three Python calls. The caller decodes."""
-    if _ENV_DATA is None or _ENV_ENCODE is None:
+    path reads its switches on every call, where ``os.environ.get`` costs three Python calls. The caller decodes
+    with ``env_str``. A replaced ``os.environ`` (``mock.patch("os.environ", ...)``) is read through ``.get``."""
+    if os.environ is not _ENVIRON or _ENV_DATA is None or _ENV_ENCODE is None:
         return os.environ.get(name)
     return _ENV_DATA.get(_env_key(name))
 
@@ -34,8 +37,10 @@ def _env_key(name: str):
 
 
 def env_str(raw) -> str:
-    """An ``env_raw`` value as ``str``."""
-    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+    """An ``env_raw`` value as ``str`` (decoded as ``os.environ`` decodes it)."""
+    if isinstance(raw, bytes):
+        return _ENV_DECODE(raw) if _ENV_DECODE is not None else os.fsdecode(raw)
+    return raw
 
 
 def requested_backend() -> str:

@@ -98,6 +98,30 @@ def test_compose_fwd_no_inner(device, poisoned_empty):
     assert_close(out_y, ref_y, RTOL[torch.bfloat16], "y")
 
 
+@pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
+def test_kernels_read_the_scales_rows_at_their_stride(has_lx_base, device, poisoned_empty):
+    """The kernels take the scales as one tensor and its row stride: a padded view (stride != d_out) must give the
+    same bits as a packed copy, in the forward, the fused forward and the backward."""
+    k, d_out, r = _kernels(), 45, 12
+    result = torch.randn(2, 7, d_out, device=device, dtype=torch.bfloat16)
+    lx_base = torch.randn_like(result) if has_lx_base else None
+    a = torch.randn(2, 7, r, device=device, dtype=torch.bfloat16)
+    lora_B = torch.randn(d_out, r, device=device)
+    lora = torch.randn_like(result)
+    g, gm1 = _scales(d_out, device)
+    padded = torch.randn(3, d_out + 11, device=device)[:, :d_out]
+    padded.copy_(torch.stack([g, gm1, 1 / g]))
+    packed = padded.contiguous()
+    assert padded.stride(0) != d_out and torch.equal(padded, packed)
+    for fn in (
+        lambda sc: k.compose_fwd(result, lora, sc, 0.7, None, lx_base),
+        lambda sc: k.compose_fwd_fused(result, a, lora_B, sc, 0.7, None, lx_base),
+        lambda sc: k.compose_bwd(lora, result, sc, has_lx_base, 1.5),
+    ):
+        for got, want in zip(fn(padded), fn(packed)):
+            assert (got is None and want is None) or torch.equal(got, want)
+
+
 @pytest.mark.parametrize("lead, d_out", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])

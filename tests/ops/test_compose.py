@@ -201,6 +201,34 @@ def test_inplace_edit_of_lora_B_before_backward_raises(backend, device, monkeypa
         out.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_backward_of_a_non_contiguous_output_gradient(backend, device, monkeypatch):
+    """A layer output used through a transpose hands backward a non-contiguous ``dy``; the gradients must equal those
+    of the same values given contiguous."""
+    monkeypatch.setenv("FLASHDORA_BACKEND", backend)
+    i = dora_inputs(32, 48, 8, lead=(3, 4), device=device)
+    w = torch.randn(4, 3, 48, device=device)
+    grads = []
+    for transposed in (True, False):
+        params = [i[k].detach().clone().requires_grad_() for k in ("x", "lora_A", "lora_B", "magnitude")]
+        x, lora_A, lora_B, magnitude = params
+        y = dora_linear(x, i["weight"], i["bias"], lora_A, lora_B, magnitude, i["scaling"])
+        loss = (y.transpose(0, 1) * w).sum() if transposed else (y * w.transpose(0, 1).contiguous()).sum()
+        loss.backward()
+        grads.append([p.grad for p in params])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+
+def test_float64_layer_under_autocast_runs():
+    """Autocast leaves float64 tensors as they are: the LoRA A matmul must still get operands of one dtype."""
+    i = dora_inputs(16, 8, 4, lead=(3,), dtype=torch.float64)
+    args = (i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dora_linear(*args)
+    assert torch.isfinite(out).all() and rel_err(out.double(), dora_linear(*args)) < 3e-2
+
+
 @pytest.mark.gpu
 def test_inference_under_autocast_keeps_no_cast_copy_of_lora_A():
     """Without grad, no cast copy of a trainable lora_A outlives the call: autocast caches casts of trainable leaves

@@ -71,9 +71,9 @@ def _lora_a(lx, lora_A, compute_dtype):
     operands (in C++: no Python call for the cast). Without grad, ``lora_A`` goes detached: autocast keeps the cast
     copy of a trainable leaf until its region ends, for every layer of a model's forward (1 GiB on llama3-8b at
     r = 384), where inference needs none of them."""
-    if torch.is_autocast_enabled(lx.device.type):
+    if torch.is_autocast_enabled(lx.device.type) and torch.float64 not in (lx.dtype, lora_A.dtype):
         return F.linear(lx, lora_A if torch.is_grad_enabled() else lora_A.detach())
-    return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))
+    return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
 
 
 def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner):
@@ -136,7 +136,7 @@ def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs):
             out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
         if needs[1] or needs[4]:
             n, r = gdy.shape[-1], a.shape[-1]
-            gdy_c = _cast(gdy.view(-1, n) if gdy.dim() != 2 else gdy, cd)  # [T, d_out]
+            gdy_c = _cast(gdy.reshape(-1, n) if gdy.dim() != 2 else gdy, cd)  # [T, d_out] (eager: dy's strides)
             if needs[4]:
                 out[4] = _mm(gdy_c.T, a.view(-1, r) if a.dim() != 2 else a, alpha)  # s gdy^T a: [d_out, r]
             if needs[1]:
