@@ -4,9 +4,11 @@ import warnings
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora.layer import Linear as PeftLinear
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flashdora
+from flashdora import peft_integration
 from flashdora.demo import build_peft_model
 from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
 from tests.helpers import rel_err
@@ -149,9 +151,6 @@ def test_layer_class_swap_is_invisible_and_falls_back_to_peft(monkeypatch):
     model, copies and pickles stay the same, and calls the lean path does not take run PEFT's forward."""
     import io
 
-    from peft.tuners.lora.layer import Linear as PeftLinear
-
-    from flashdora import peft_integration
     from flashdora.peft_integration import FlashDoraLinear
 
     model = _llama()
@@ -238,7 +237,9 @@ def test_patch_peft_covers_existing_and_new_layers():
     flashdora.reset_stats()
     assert rel_err(_eval(existing, ids), ref) <= 1e-5
     created = _llama()
-    _eval(created, ids)
+    with pytest.MonkeyPatch.context() as m:  # PEFT's Linear takes the lean forward: plain calls never reach PEFT's
+        m.setattr(peft_integration, "_PEFT_LINEAR_FORWARD", None)
+        _eval(created, ids)
     n = flashdora.stats()["eager"]
     assert n == 2 * 14  # 2 layers x 7 projections, in both models
     flashdora.disable(existing)  # an explicit per-model choice wins over the process-wide patch
@@ -247,6 +248,7 @@ def test_patch_peft_covers_existing_and_new_layers():
     assert flashdora.stats() == {}
     flashdora.unpatch_peft()
     flashdora.unpatch_peft()
+    assert PeftLinear.forward is peft_integration._PEFT_LINEAR_FORWARD
     _eval(created, ids)
     assert flashdora.stats() == {}
 

@@ -6,8 +6,10 @@ PEFT keeps one variant object per (layer, adapter) in ``module.lora_variant``. I
 - ``PeftDoraLinearVariant`` (set by ``disable``): PEFT's own DoRA, always.
 - PEFT's ``DoraLinearVariant`` (what PEFT creates): follows the process-wide ``patch_peft`` switch.
 
-Merge, unmerge, save and load stay PEFT's (only ``forward`` is replaced), so checkpoints keep PEFT's format.
-Cases we do not handle run PEFT's code with a one-time warning and a ``peft_fallback:<reason>`` counter.
+``enable`` also re-classes PEFT's LoRA ``Linear`` layers as ``FlashDoraLinear``, whose forward skips PEFT's per-call
+dispatch on the plain calls that flashdora runs (``disable`` restores the class). Merge, unmerge, save and load stay
+PEFT's (only forwards are replaced), so checkpoints keep PEFT's format. Cases we do not handle run PEFT's code with
+a one-time warning and a ``peft_fallback:<reason>`` counter.
 """
 
 from __future__ import annotations
@@ -186,24 +188,31 @@ class FlashDoraLinear(PeftLinear):
     """
 
     def forward(self, x, *args, **kwargs):
-        active = self._active_adapter
-        if type(active) is not str:
-            active = active[0] if len(active) == 1 else None
-        mods = self._modules
-        a_layers = mods["lora_A"]._modules
-        if (
-            args or kwargs or active is None or self._disable_adapters or self.merged_adapters
-            or active not in a_layers or type(self.lora_variant.get(active)) is not FlashDoraLinearVariant
-        ):  # fmt: skip
-            return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
-        result = mods["base_layer"](x)
-        dtype = result.dtype
-        x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
-        result = flash_forward(self, active, x, result)
-        return result if result.dtype == dtype else result.to(dtype)
+        return _lean_forward(self, x, *args, **kwargs)
 
     def _get_name(self):
         return "Linear"
+
+
+def _lean_forward(self, x, *args, **kwargs):
+    """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
+    active = self._active_adapter
+    if type(active) is not str:
+        active = active[0] if len(active) == 1 else None
+    mods = self._modules
+    a_layers = mods["lora_A"]._modules
+    kind = type(self.lora_variant.get(active))
+    ours = kind is FlashDoraLinearVariant or (kind is _PEFT_DORA and _PEFT_DORA.__dict__["forward"] is _FLASH_STATIC)
+    if (
+        args or kwargs or active is None or self._disable_adapters or self.merged_adapters or active not in a_layers
+        or not ours
+    ):  # fmt: skip
+        return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
+    result = mods["base_layer"](x)
+    dtype = result.dtype
+    x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
+    result = flash_forward(self, active, x, result)
+    return result if result.dtype == dtype else result.to(dtype)
 
 
 def _swap_linear_class(model: nn.Module, cls: type) -> None:
@@ -284,11 +293,13 @@ def disable(model: nn.Module) -> nn.Module:
 
 
 def patch_peft() -> None:
-    """Process-wide: every PEFT DoRA Linear layer, existing or created later, runs flashdora. Idempotent.
+    """Process-wide: every PEFT DoRA Linear layer, existing or created later, runs flashdora (PEFT's ``Linear``
+    takes ``FlashDoraLinear``'s forward). Idempotent.
 
     Layers switched with ``disable(model)`` stay on PEFT. Undo with ``unpatch_peft()``.
     """
     _PEFT_DORA.forward = _FLASH_STATIC
+    PeftLinear.forward = _lean_forward
     LoraLayer._cast_input_dtype = _cast_input_dtype
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
@@ -300,6 +311,7 @@ def patch_peft() -> None:
 def unpatch_peft() -> None:
     """Undo ``patch_peft``: PEFT's DoRA layers run PEFT's own code again (``enable``d models stay on). Idempotent."""
     _PEFT_DORA.forward = _PEFT_FORWARD
+    PeftLinear.forward = _PEFT_LINEAR_FORWARD
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" in cls.__dict__:
             original = cls.__dict__["_flashdora_peft_forward"]
