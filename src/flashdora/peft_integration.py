@@ -141,9 +141,7 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
                 if adapter in self._modules["lora_A"]._modules:
                     break  # a vanilla LoRA adapter: PEFT's own path
                 continue
-            kind = type(variants_[adapter])
-            patched = kind is _PEFT_DORA and _PEFT_DORA.__dict__["forward"] is _FLASH_STATIC
-            if not (kind is FlashDoraLinearVariant or patched):
+            if not _runs_flashdora(type(variants_[adapter])):
                 break
             if training and not isinstance(dropouts[adapter], nn.Identity):
                 break
@@ -164,6 +162,11 @@ def _cache_id(owner) -> int:
 
 
 _FLASH_STATIC = staticmethod(flash_forward)
+
+
+def _runs_flashdora(kind: type) -> bool:
+    """Whether a variant of class ``kind`` runs flashdora's forward: ours, or PEFT's own while ``patch_peft`` is on."""
+    return kind is FlashDoraLinearVariant or (kind is _PEFT_DORA and _PEFT_DORA.__dict__["forward"] is _FLASH_STATIC)
 
 
 class FlashDoraLinearVariant(_PEFT_DORA):
@@ -201,11 +204,9 @@ def _lean_forward(self, x, *args, **kwargs):
         active = active[0] if len(active) == 1 else None
     mods = self._modules
     a_layers = mods["lora_A"]._modules
-    kind = type(self.lora_variant.get(active))
-    ours = kind is FlashDoraLinearVariant or (kind is _PEFT_DORA and _PEFT_DORA.__dict__["forward"] is _FLASH_STATIC)
     if (
         args or kwargs or active is None or self._disable_adapters or self.merged_adapters or active not in a_layers
-        or not ours
+        or not _runs_flashdora(type(self.lora_variant.get(active)))
     ):  # fmt: skip
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
     result = mods["base_layer"](x)
