@@ -50,17 +50,22 @@ def _seen_lora_inputs(model, run):
     """The dtypes of ``x`` that flashdora's variant receives while ``run()`` runs."""
     from flashdora import peft_integration
 
-    seen, original = [], peft_integration.compose
+    seen, originals = [], {name: getattr(peft_integration, name) for name in ("compose", "compose_eager")}
 
-    def spy(result, lx, *args, **kwargs):
-        seen.append(lx.dtype)
-        return original(result, lx, *args, **kwargs)
+    def spying(original):
+        def spy(result, lx, *args, **kwargs):
+            seen.append(lx.dtype)
+            return original(result, lx, *args, **kwargs)
 
-    peft_integration.compose = spy
+        return spy
+
+    for name, original in originals.items():
+        setattr(peft_integration, name, spying(original))
     try:
         run()
     finally:
-        peft_integration.compose = original
+        for name, original in originals.items():
+            setattr(peft_integration, name, original)
     return seen
 
 

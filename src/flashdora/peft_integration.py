@@ -23,7 +23,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
-from flashdora.ops.compose import compose
+from flashdora.ops.compose import compose, compose_eager
 from flashdora.ops.norm import NormCache, dora_scales
 
 _PEFT_DORA = variants.DoraLinearVariant
@@ -106,14 +106,19 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         )
     weight = weight.T if module.fan_in_fan_out else weight
     scaling = float(module.scaling[active_adapter])
-    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
+    if torch.compiler.is_compiling():
+        scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
+        run = compose
+    else:  # eager: the cache by its owner, and the compose without the compile checks
+        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
+        run = compose_eager
     dropout = mods["lora_dropout"]._modules[active_adapter]
     if not module.training or isinstance(dropout, nn.Identity):
-        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
+        return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
-    return compose(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
+    return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 
 
 _PEFT_CAST = LoraLayer._cast_input_dtype
@@ -159,6 +164,14 @@ def _cache_id(owner) -> int:
             return -1
         cache_id = owner._flashdora_cache_id = NormCache.register(owner)
     return cache_id
+
+
+def _cache_owner(owner):
+    """``_cache_id`` on the eager path: the owner itself, or ``None`` where its layer keeps no cache."""
+    cache_id = owner.__dict__.get("_flashdora_cache_id")
+    if cache_id == id(owner):
+        return owner
+    return None if _cache_id(owner) < 0 else owner
 
 
 _FLASH_STATIC = staticmethod(flash_forward)

@@ -52,11 +52,9 @@ def _cast(t, dtype):
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
-def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
+def _compute_dtype(device_type: str, lora_A: torch.Tensor, autocast: bool) -> torch.dtype:
     """The LoRA matmul dtype PEFT gets: the autocast dtype under autocast, else the adapter's dtype."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return lora_A.dtype
+    return torch.get_autocast_dtype(device_type) if autocast else lora_A.dtype
 
 
 # Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384,
@@ -65,20 +63,20 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor) -> torch.dtype:
 _CAST_B_FIRST = 8 * 2**20
 
 
-def _lora_a(lx, lora_A, compute_dtype):
+def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
     """``a = lx A^T`` in the matmul dtype, as plain autograd ops: their backward (``dA``, ``d lx``, the casts back
     to the parameters' dtypes) runs in torch's C++ engine, as PEFT's does. Under autocast, autocast casts both
     operands (in C++: no Python call for the cast). Without grad, ``lora_A`` goes detached: autocast keeps the cast
     copy of a trainable leaf until its region ends, for every layer of a model's forward (1 GiB on llama3-8b at
     r = 384), where inference needs none of them."""
-    if torch.is_autocast_enabled(lx.device.type) and torch.float64 not in (lx.dtype, lora_A.dtype):
+    if autocast and torch.float64 not in (lx.dtype, lora_A.dtype):
         return F.linear(lx, lora_A if torch.is_grad_enabled() else lora_A.detach())
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
 
 
-def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner):
-    """Forward body from the LoRA A output ``a``: ``(y, inner | None)``."""
-    if backend.use_triton(result):  # the LoRA B matmul runs inside the compose kernel, never written
+def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner, triton):
+    """Forward body from the LoRA A output ``a``: ``(y, inner | None)``; ``triton``: ``backend.use_triton(result)``."""
+    if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         backend.count("triton")
         from flashdora.kernels.compose import compose_fwd_fused
 
@@ -108,42 +106,44 @@ def _mm(x, y, alpha):
     return torch.addmm(zero, x, y, beta=0, alpha=alpha)
 
 
-def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs):
+def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, triton):
     """Backward body: ``[d_result, d_a, d_lx_base, d_bias, d_B, d_m]``, None where not needed (``needs``, that order).
 
     ``d_result`` is ``g dy`` without ``lx_base``, ``dy`` with it. ``d_a`` and ``d_B`` are rounded to the matmul
     dtype (``a``'s), as the matmuls of PEFT's autocast path give them; autograd casts each gradient to its input's
     dtype (``lora_B``'s float32 on PEFT's adapters).
     """
+    if torch.is_autocast_enabled(dy.device.type):  # (on CUDA the backward runs with autocast off already)
+        with torch.autocast(dy.device.type, enabled=False):
+            return _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, triton)
     cd = a.dtype
     out = [None] * 6
-    with backend.autocast_off(dy.device.type):  # on CUDA the backward runs with autocast off already
-        # PEFT rounds the LoRA branch's gradient as (dy s) g. With lx_base, g dy feeds only the LoRA GEMMs: round it
-        # that way and run them with alpha 1. Without, it is also d_result: keep g dy, put s on the GEMMs' alpha
-        # (the same bits when s is a power of two; one rounding apart otherwise, docs/decisions.md).
-        lora_scale, alpha = (scaling, 1.0) if has_lx_base else (1.0, scaling)
-        if backend.use_triton(dy):
-            from flashdora.kernels.compose import compose_bwd
+    # PEFT rounds the LoRA branch's gradient as (dy s) g. With lx_base, g dy feeds only the LoRA GEMMs: round it
+    # that way and run them with alpha 1. Without, it is also d_result: keep g dy, put s on the GEMMs' alpha
+    # (the same bits when s is a power of two; one rounding apart otherwise, docs/decisions.md).
+    lora_scale, alpha = (scaling, 1.0) if has_lx_base else (1.0, scaling)
+    if triton:  # the forward's choice (same device)
+        from flashdora.kernels.compose import compose_bwd
 
-            gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
-        else:
-            gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base, lora_scale)
-        if needs[0]:
-            out[0] = dy if has_lx_base else gdy
-        if needs[2] and has_lx_base:
-            out[2] = d_lx_base
-        if needs[3] and has_bias and not has_lx_base:
-            out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
-        if needs[1] or needs[4]:
-            n, r = gdy.shape[-1], a.shape[-1]
-            gdy_c = _cast(gdy.reshape(-1, n) if gdy.dim() != 2 else gdy, cd)  # [T, d_out] (eager: dy's strides)
-            if needs[4]:
-                out[4] = _mm(gdy_c.T, a.view(-1, r) if a.dim() != 2 else a, alpha)  # s gdy^T a: [d_out, r]
-            if needs[1]:
-                da = _mm(gdy_c, _cast(lora_B, cd), alpha)  # s gdy B: [T, r]
-                out[1] = da.view(a.shape) if a.dim() != 2 else da
-        if needs[5]:
-            out[5] = dg
+        gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
+    else:
+        gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base, lora_scale)
+    if needs[0]:
+        out[0] = dy if has_lx_base else gdy
+    if needs[2] and has_lx_base:
+        out[2] = d_lx_base
+    if needs[3] and has_bias and not has_lx_base:
+        out[3] = -(scales[1] * dy.reshape(-1, dy.shape[-1]).to(scales.dtype).sum(0))
+    if needs[1] or needs[4]:
+        n, r = gdy.shape[-1], a.shape[-1]
+        gdy_c = _cast(gdy.reshape(-1, n) if gdy.dim() != 2 else gdy, cd)  # [T, d_out] (eager: dy's strides)
+        if needs[4]:
+            out[4] = _mm(gdy_c.T, a.view(-1, r) if a.dim() != 2 else a, alpha)  # s gdy^T a: [d_out, r]
+        if needs[1]:
+            da = _mm(gdy_c, _cast(lora_B, cd), alpha)  # s gdy B: [T, r]
+            out[1] = da.view(a.shape) if a.dim() != 2 else da
+    if needs[5]:
+        out[5] = dg
     return out
 
 
@@ -155,24 +155,30 @@ class ComposeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, result, a, lx_base, bias, lora_B, magnitude, scales, scaling, compute_dtype):
         save_inner = ctx.needs_input_grad[5]
-        y, inner = _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner)
+        triton = backend.use_triton(result)
+        y, inner = _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner, triton)
         ctx.save_for_backward(a, inner)
         # lora_B (a parameter, alive anyway) and the [3, d_out] scales ride on ctx instead: under gradient
         # checkpointing every saved tensor costs Python pack and unpack hooks. lora_B's version is checked by hand.
-        ctx.meta = (scaling, lx_base is not None, bias is not None, lora_B, lora_B._version, scales)
+        ctx.meta = (scaling, lx_base is not None, bias is not None, lora_B, lora_B._version, scales, triton)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         a, inner = ctx.saved_tensors
-        scaling, has_lx_base, has_bias, lora_B, b_version, scales = ctx.meta
+        scaling, has_lx_base, has_bias, lora_B, b_version, scales, triton = ctx.meta
         if lora_B._version != b_version:
             raise RuntimeError(
                 "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
                 f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
             )
-        grads = _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, ctx.needs_input_grad)
+        grads = _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, ctx.needs_input_grad, triton)
         return (*grads, None, None, None)
+
+
+# ``Function.apply`` minus its Python wrapper (argument binding for ``setup_context`` and functorch's dead-wrapper
+# unwrapping, 13 Python calls a layer call): the C++ entry it ends in, taken when no functorch transform is active.
+_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ComposeFunction)
 
 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
@@ -203,13 +209,24 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     Eager calls run the LoRA A matmul in plain autograd, then ``ComposeFunction`` (the fused kernels on the Triton
     path); compiled graphs plain torch ops.
     """
-    cd = _compute_dtype(result.device.type, lora_A)
     if torch.compiler.is_compiling():
+        device_type = result.device.type
+        cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
         return _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, cd, bias, lx_base)
-    a = _lora_a(lx, lora_A, cd)  # [..., r]
+    return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
+
+
+def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None) -> Tensor:
+    """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check)."""
+    device_type = result.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    cd = _compute_dtype(device_type, lora_A, autocast)
+    a = _lora_a(lx, lora_A, cd, autocast)  # [..., r]
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
-        return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False)[0]
-    return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+        return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, backend.use_triton(result))[0]
+    if torch._C._are_functorch_transforms_active():
+        return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+    return _APPLY(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:

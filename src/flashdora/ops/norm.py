@@ -163,10 +163,18 @@ def cache_enabled() -> bool:
     return _switch_on("FLASHDORA_NORM_CACHE")
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    # The version counter moves on every in-place write through autograd-visible aliases (load_state_dict, copy_
-    # under no_grad, for-loop and foreach optimizers); data_ptr moves when storage is swapped (`.data =`, `.to()`).
-    return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device)
+def _tensor_keys(w, a, b, m) -> tuple:
+    """The cache key of each of a layer's four tensors, written out in one call (this runs on every layer call).
+
+    The version counter moves on every in-place write through autograd-visible aliases (load_state_dict, copy_
+    under no_grad, for-loop and foreach optimizers); data_ptr moves when storage is swapped (`.data =`, `.to()`).
+    """
+    return (
+        (w.data_ptr(), w._version, w.shape, w.stride(), w.dtype, w.device),
+        (a.data_ptr(), a._version, a.shape, a.stride(), a.dtype, a.device),
+        (b.data_ptr(), b._version, b.shape, b.stride(), b.dtype, b.device),
+        (m.data_ptr(), m._version, m.shape, m.stride(), m.dtype, m.device),
+    )
 
 
 _optimizer_steps = 0
@@ -259,15 +267,21 @@ class NormCache:
     @classmethod
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
-        owner = cls._owners.get(cache_id) if cache_id >= 0 and cache_enabled() else None
-        if owner is None:  # (``_fresh`` runs under no_grad)
+        owner = cls._owners.get(cache_id) if cache_id >= 0 else None
+        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
+
+    @classmethod
+    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner) -> torch.Tensor:
+        """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it."""
+        if owner is None or not cache_enabled():  # (``_fresh`` runs under no_grad)
             triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
             return _fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
-        key = (_tensor_key(weight), _tensor_key(lora_A), _tensor_key(lora_B), scaling, _optimizer_steps)
-        full_key = (key, _tensor_key(magnitude))
+        w_key, a_key, b_key, m_key = _tensor_keys(weight, lora_A, lora_B, magnitude)
+        key = (w_key, a_key, b_key, scaling, _optimizer_steps)
+        full_key = (key, m_key)
         if cache.get("scales_key") == full_key:
             backend.count("norm:cached")
             return cache["scales"]
