@@ -18,6 +18,10 @@
 #   n: (nvidia-h200) qwen2.5-32b grad, PEFT LoRA and flashdora
 #   w: GPU tests of kernels, ops and the PEFT seam, the norm against the GEMM (7 repeats), the layer benchmark at
 #      r = 384, 4 layers of llama3-8b host vs GPU (after OLD_SRC's run when set), the launch pieces' host cost
+#   x: the allocator in each accumulation-4 step of llama3-8b (benchmarks/alloc_stats.py), default allocator, then
+#      expandable segments: which counters (cudaMalloc/cudaFree, retries) move in flashdora's steps and not LoRA's
+#   y: after host-side changes: the GPU tests of kernels, ops, PEFT seam and compile, the 8B model benchmark
+#      (2 rounds), the layer benchmark at r = 384, and one layer's host cost (benchmarks/host_layer.py)
 #   p SEED: the training-curve parity from a pretrained start, one seed (about 9 minutes; merge the seeds here with
 #      `flashdora parity --merge FILE...`)
 # Usage (device tool): FLASHDORA_COMMIT=<sha> bash benchmarks/gpu_run.sh a
@@ -123,6 +127,19 @@ case "${1:-a}" in
         --phases inference grad --top 6 2>&1 | tee -a "$R/profile_8b.txt"
     done
     timeout 40 python3 benchmarks/probe_launch.py 2>&1 | tee "$R/probe_launch.txt"
+    ;;
+  x)
+    timeout 280 python3 benchmarks/alloc_stats.py --preset llama3-8b --grad-accum 4 --steps 5 2>&1 \
+      | tee "$R/alloc_stats.txt"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 280 python3 benchmarks/alloc_stats.py \
+      --preset llama3-8b --grad-accum 4 --steps 5 --runs peft_lora flashdora 2>&1 | tee -a "$R/alloc_stats.txt"
+    ;;
+  y)
+    timeout 200 python3 -m pytest -m gpu tests/kernels tests/ops tests/test_peft_integration.py \
+      tests/test_peft_autocast.py tests/test_compile.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$R/pytest_gpu.txt"
+    timeout 200 $fd bench model --preset llama3-8b --modes peft_lora peft_dora flashdora --rounds 2 --out "$R"
+    timeout 120 $fd bench layer --ranks 384 --tokens 2048 --dtypes autocast --tag r384 --out "$R"
+    timeout 60 python3 benchmarks/host_layer.py --turns 5 2>&1 | tee "$R/host_layer.txt"
     ;;
   h)
     timeout 200 python3 -m pytest -m gpu tests/kernels/test_norm.py tests/ops tests/test_peft_integration.py \

@@ -245,6 +245,29 @@ def test_inference_under_autocast_keeps_no_cast_copy_of_lora_A():
         assert torch.cuda.memory_allocated() == before
 
 
+def test_inference_under_autocast_casts_lora_A_without_caching_it():
+    """CPU twin of the test above: two calls in one autocast region without grad each cast lora_A. A cast cached
+    by autocast (kept until the region ends) would show as one cast for both."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    i = dora_inputs(16, 8, 4, lead=(3,))
+    lora_A = i["lora_A"].requires_grad_()  # a trainable leaf, as PEFT's adapters are
+    args = (i["x"], i["weight"], None, lora_A, i["lora_B"], i["magnitude"], i["scaling"])  # (float32 W: no norm cast)
+
+    class CastsOfA(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape == lora_A.shape:
+                CastsOfA.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), CastsOfA():
+        dora_linear(*args)
+        dora_linear(*args)
+    assert CastsOfA.n == 2
+
+
 def test_scales_are_exact_near_one():
     norm = torch.tensor([3.0, 5.0, 0.0], dtype=torch.float32)
     m = norm * torch.tensor([1 + 2**-20, 1.0, 1.0])

@@ -65,12 +65,12 @@ _CAST_B_FIRST = 8 * 2**20
 
 def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
     """``a = lx A^T`` in the matmul dtype, as plain autograd ops: their backward (``dA``, ``d lx``, the casts back
-    to the parameters' dtypes) runs in torch's C++ engine, as PEFT's does. Under autocast, autocast casts both
-    operands (in C++: no Python call for the cast). Without grad, ``lora_A`` goes detached: autocast keeps the cast
-    copy of a trainable leaf until its region ends, for every layer of a model's forward (1 GiB on llama3-8b at
-    r = 384), where inference needs none of them."""
+    to the parameters' dtypes) runs in torch's C++ engine, as PEFT's does. Under autocast with grad, autocast casts
+    both operands (in C++: no Python call for the cast). Without grad, ``lora_A`` is cast here, the same rounding in
+    one op: autocast would keep its cast copy of a trainable leaf until its region ends, for every layer of a model's
+    forward (1 GiB on llama3-8b at r = 384), where inference needs none of them."""
     if autocast and torch.float64 not in (lx.dtype, lora_A.dtype):
-        return F.linear(lx, lora_A if torch.is_grad_enabled() else lora_A.detach())
+        return F.linear(lx, lora_A if torch.is_grad_enabled() else _cast(lora_A, compute_dtype))
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
 
 
