@@ -79,8 +79,8 @@ def run(model, n, label):
 run(layer(False), 50, "peft_lora")
 timed(peft_integration, "flash_forward")
 peft_integration.FlashDoraLinearVariant.forward = staticmethod(peft_integration.flash_forward)
-timed(peft_integration, "dora_scales")
-timed(peft_integration, "compose")
+timed(on.NormCache, "lookup_owner", "NormCache.lookup_owner")  # (the eager calls' norm; dora_scales before 4e57464)
+timed(peft_integration, "compose_eager")  # (compose before 4e57464)
 timed(peft_integration, "_cast_input_dtype")
 peft_integration.LoraLayer._cast_input_dtype = peft_integration._cast_input_dtype
 timed(on, "_fresh")
