@@ -130,8 +130,11 @@ for rnd in range(args.rounds):
     print(f"round {rnd + 1} done", flush=True)
 
 n_layers = 7 * args.layers
-print(f"# {name}, {args.layers} layers ({n_layers} DoRA layers), r = {args.rank}, {args.batch}x{args.seq} tokens, "
-      f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; host / wall ms per step, median of {args.reps} steps per round")
+where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+print(
+    f"# {name}, {args.layers} layers ({n_layers} DoRA layers), r = {args.rank}, {args.batch}x{args.seq} tokens, "
+    f"{where}; host / wall ms per step, median of {args.reps} steps per round"
+)
 for phase in args.phases:
     lora_host = statistics.median(h for h, _ in results[("peft_lora", phase)])
     for (mode, ph), rows in results.items():

@@ -46,3 +46,47 @@ def test_specialization_tells_apart_what_triton_specializes_on():
     assert spec((buf, 33, 1.5)) != base
     assert spec((buf, 1, 1.5)) != spec((buf, 3, 1.5))
     assert spec((buf, 2**31, 1.5)) != spec((buf, 2**31 - 16, 1.5))
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=2)], key=["n"])
+@triton.jit
+def _axpy_kernel(p_x, p_y, p_out, n, stride, alpha, BLOCK: tl.constexpr):
+    """out = alpha x + y over ``n`` elements ``stride`` apart: a float, and an int that is 1 (Triton folds it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(p_x + offs * stride, mask=mask)
+    tl.store(p_out + offs, alpha * x + tl.load(p_y + offs, mask=mask), mask=mask)
+
+
+def _axpy(x, y, stride, alpha):
+    n = y.numel()
+    out = torch.full_like(y, float("nan"))
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
+    configs.launch(_axpy_kernel, grid, (n,), (x, y, out, n, stride, alpha), {})
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stride", [1, 3])
+def test_direct_launches_match_tritons_launcher(monkeypatch, stride):
+    """After the first call, launches go through torch's C++ launcher where torch has one (``_StaticCudaLauncher``):
+    every element written, the same bits as Triton's own launcher (``FLASHDORA_STATIC_LAUNCH=0``), an int equal to 1
+    (folded into a constant by Triton) and a float among the arguments, several calls in a row."""
+    n = 1000
+    x = torch.randn(n * stride, device="cuda")
+    y = torch.randn(n, device="cuda")
+    ref = 0.75 * x[::stride] + y
+    outs = [_axpy(x, y, stride, 0.75) for _ in range(3)]
+    code = configs._specialization((stride,))[0]
+    hits = [v for k, v in configs._COMPILED.items() if k[0][0] == id(_axpy_kernel) and k[-1][4] == code]
+    assert len(hits) == 1
+    if configs._static_ok():
+        assert hits[0][0] is None, "torch's launcher was not taken"
+        assert hits[0][-1] is None or stride == 1  # only an int Triton folded is left out of the cubin's arguments
+    monkeypatch.setenv("FLASHDORA_STATIC_LAUNCH", "0")
+    configs._COMPILED.clear()
+    outs += [_axpy(x, y, stride, 0.75) for _ in range(2)]
+    for out in outs:
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref)
+        assert torch.equal(out, outs[-1])

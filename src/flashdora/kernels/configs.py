@@ -152,7 +152,7 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31
 def _specialization(args: tuple) -> tuple:
     """What Triton specializes a compiled kernel on, per argument, as a small int: 16-byte alignment of pointers;
     divisibility by 16, equality to 1 and 32-bit range of integers. Two calls with equal tuples can share one
-    compiled kernel. (One loop with int codes: this runs on every launch.)"""
+    compiled kernel. (One loop with int codes: this runs on every launch; a generator was slower.)"""
     codes = []
     for a in args:
         kind = type(a)
@@ -184,9 +184,11 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
 
     ``key`` must determine the autotuner's choice (its key values and the argument dtypes); ``flags`` are the
     constexpr keyword arguments. The first call of a key runs the autotuner; the first call of each
-    (key, flags, specialization) compiles through Triton's JIT; later calls go straight to the compiled kernel's
-    launcher. On the device machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch, which a DoRA
-    layer of ordinary size cannot hide (docs/decisions.md).
+    (key, device, flags, specialization) compiles through Triton's JIT; later calls launch the compiled kernel
+    directly: through torch's C++ launcher of compiled Triton kernels where torch has one (``_StaticCudaLauncher``,
+    what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. On the device
+    machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch and Triton's launcher 20-50 us more,
+    which a DoRA layer of ordinary size cannot hide (docs/decisions.md).
     """
     tuned_key = (id(kernel), key)
     config = _TUNED.get(tuned_key)
@@ -202,25 +204,125 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
         kernel.fn[g](*args, **flags, **config)
         return
     fn = kernel.fn
-    extra = {}
-    if isinstance(fn, Heuristics):  # constexprs computed from the arguments (e.g. EVEN_K)
+    extra = ()
+    if type(fn) is Heuristics:  # constexprs computed from the arguments (e.g. EVEN_K)
         named = {**dict(zip(fn.arg_names, args)), **flags, **config}
-        extra = {name: rule(named) for name, rule in fn.values.items()}
-    compiled_key = (tuned_key, tuple(flags.values()), tuple(extra.values()), _specialization(args))
+        extra = tuple(rule(named) for rule in fn.values.values())
+    device = args[0].get_device()
+    compiled_key = (tuned_key, device, tuple(flags.values()), extra, _specialization(args))
     hit = _COMPILED.get(compiled_key)
     if hit is None:
         compiled = fn[g](*args, **flags, **config)
         if getattr(compiled, "run", None) is not None and hasattr(compiled, "packed_metadata"):  # a CompiledKernel
-            values = {**flags, **config, **extra}
-            tail = tuple(values[name] for name in fn.arg_names[len(args) :])
-            _COMPILED[compiled_key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+            constexprs = {**flags, **config, **dict(zip(fn.values, extra))} if extra else {**flags, **config}
+            _COMPILED[compiled_key] = _launcher(fn, compiled, args, constexprs)
         return
-    compiled, run, function, packed, tail = hit
-    stream = torch._C._cuda_getCurrentRawStream(args[0].get_device())
+    stream = _raw_stream(device)
     hooks = knobs.runtime
-    enter = hooks.launch_enter_hook  # profilers (e.g. proton) set these at any time: read on every launch
+    enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)  # profilers (e.g. proton) set these
+    if hit[0] is None and enter is None and leave is None:  # torch's C++ launcher
+        _, run, function, warps, shared, types, pad, keep = hit[:8]
+        run(
+            function, g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, warps, shared, types,
+            (args if keep is None else tuple(args[i] for i in keep)) + pad, stream,
+        )  # fmt: skip
+        return
+    compiled, run, function, packed, tail = hit[-5:]
     metadata = None if enter is None else compiled.launch_metadata(g, stream, *args, *tail)
     run(
         g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, function, packed, metadata,
-        enter, hooks.launch_exit_hook, *args, *tail,
+        enter, leave, *args, *tail,
     )  # fmt: skip
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_HookChain = getattr(knobs, "HookChain", None)
+
+
+def _hook(hook):
+    """A launch hook as Triton's launcher takes it, ``None`` for an empty chain (Triton >= 3.5 keeps an empty
+    ``HookChain`` there: calling it, and building the launch metadata it would get, is host time for nothing)."""
+    if hook is not None and _HookChain is not None and type(hook) is _HookChain and not hook.calls:
+        return None
+    return hook
+
+
+_TORCH_TYPES = {
+    "i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H", "u32": "I",
+    "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d",
+}  # fmt: skip
+
+
+def _launcher(fn, compiled, args: tuple, constexprs: dict) -> tuple:
+    """How ``launch`` runs a compiled kernel from now on: Triton's launcher, ``(compiled, run, function, packed
+    metadata, constexpr tail)``, after torch's C++ launcher's 8 fields where torch's can take the kernel."""
+    tail = tuple(constexprs[name] for name in fn.arg_names[len(args) :])
+    triton_launch = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+    static = _static_launcher(fn, compiled, args) if _static_ok() else None
+    return triton_launch if static is None else static + triton_launch  # Triton's, for when a hook is set later
+
+
+def _static_ok() -> bool:
+    """torch's launcher is there and not switched off (``FLASHDORA_STATIC_LAUNCH=0``: Triton's launcher always)."""
+    off = os.environ.get("FLASHDORA_STATIC_LAUNCH", "1").strip().lower() in ("0", "false", "off", "no")
+    return not off and _raw_stream is not None and _static_launch_fn() is not None
+
+
+@functools.cache
+def _static_launch_fn():
+    launcher = getattr(torch._C, "_StaticCudaLauncher", None)
+    return None if launcher is None else getattr(launcher, "_launch_kernel", None)
+
+
+def _static_launcher(fn, compiled, args: tuple):
+    """``(None, launch, function, warps, shared, arg types, padding, keep)`` for torch's ``_StaticCudaLauncher``, or
+    ``None`` where it cannot take this kernel (launch hooks set, scratch memory, clusters, other signatures).
+
+    The kernel's own loaded ``CUfunction`` is launched with the arguments its cubin takes: the positional ones
+    Triton did not fold into constants (``keep``: their positions, ``None`` for all), plus one null pointer per
+    scratch parameter newer Triton versions add (``padding``). Triton's launcher adds nothing else for a one-CTA,
+    non-cooperative kernel without programmatic dependent launch."""
+    try:
+        meta = compiled.metadata
+        if _hook(knobs.runtime.launch_enter_hook) is not None or _hook(knobs.runtime.launch_exit_hook) is not None:
+            return None
+        if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False):
+            return None
+        if getattr(meta, "launch_pdl", False) or getattr(meta, "tensordesc_meta", None):
+            return None
+        pad = ()
+        for name in ("global_scratch_size", "profile_scratch_size"):
+            if hasattr(meta, name):
+                if getattr(meta, name) > 0:
+                    return None
+                pad += (None,)
+        src = compiled.src
+        names = list(fn.arg_names)
+
+        def index(k):
+            if isinstance(k, str):
+                return names.index(k)
+            return k[0] if isinstance(k, tuple) else k
+
+        signature = {index(k): v for k, v in src.signature.items()}
+        constants = {index(k) for k in getattr(src, "constants", {})}
+        keep, types = [], []
+        for i in sorted(signature):
+            ty = signature[i]
+            if ty == "constexpr" or i in constants:
+                continue
+            if i >= len(args):  # a runtime parameter among the constexpr flags: not what our kernels have
+                return None
+            keep.append(i)
+            types.append("O" if ty.startswith("*") else _TORCH_TYPES[ty])
+        compiled._init_handles()
+        function = compiled.function
+        if function is None:
+            return None
+        keep = None if keep == list(range(len(args))) else tuple(keep)
+        shared = getattr(compiled, "shared", None)
+        shared = meta.shared if shared is None else shared
+        types = "".join(types) + "O" * len(pad)
+        return (None, _static_launch_fn(), function, meta.num_warps, shared, types, pad, keep)
+    except Exception:  # noqa: BLE001 - an unknown Triton or torch layout: Triton's own launcher still works
+        return None
