@@ -224,3 +224,62 @@ def test_copies_of_a_model_get_their_own_cache():
     assert _norm_computations() == N_LAYERS  # the twin computes its own once; the original keeps its cache
     for owner in (m.lora_magnitude_vector["default"] for m in twin.modules() if hasattr(m, "lora_magnitude_vector")):
         assert owner._flashdora_cache_id == id(owner)
+
+
+def _group_model(device, seed):
+    model = build_peft_model("tiny", 4, 0.0, device, seed=seed)
+    model.base_model.model.config.use_cache = False
+    model.add_adapter(
+        "other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
+    return flashdora.enable(model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_norm_group_recomputes_every_training_layer_once_per_step(device, monkeypatch):
+    """The group (Triton path; on the CPU through the interpreter): from the first optimizer step on, one run
+    recomputes every training layer's norm; each layer's cache holds what a fresh computation gives; one norm per
+    layer per step. Switching adapters (the old one freezes) drops the old layers; the new adapter's form the group."""
+    from flashdora.ops import norm_group
+    from flashdora.ops.norm import compute_norm
+
+    if device == "cpu":
+        monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    norm_group.forget()
+    model = _group_model(device, seed=5)
+    adapter = "default"
+    for step in range(7):
+        if step == 4:
+            adapter = "other"
+            model.set_adapter(adapter)  # PEFT freezes the default adapter
+        layers = [m for m in model.modules() if hasattr(m, "lora_magnitude_vector") and adapter in m.lora_B]
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=0.05)
+        ids = _ids(step).to(device)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        flashdora.reset_stats()
+        model.eval()
+        with torch.no_grad():
+            cached = model(input_ids=ids).logits
+        assert _norm_computations() == len(layers), (step, flashdora.stats())
+        fresh_logits = _logits_without_cache(model, ids, monkeypatch)
+        torch.testing.assert_close(cached, fresh_logits, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+        for layer in layers:
+            owner = layer.lora_magnitude_vector[adapter]
+            cache = owner.__dict__["_flashdora_cache"]
+            w = layer.get_base_layer().weight
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            fresh = compute_norm(w.detach(), a.detach(), b.detach(), float(layer.scaling[adapter]))
+            torch.testing.assert_close(cache["norm"], fresh, rtol=1e-6, atol=0)
+            torch.testing.assert_close(cache["scales"][0], owner.weight.detach() / fresh, rtol=1e-6, atol=0)
+        group = norm_group._STATES[(torch.device(device).type, torch.device(device).index)].group
+        if step < 4:  # built at the first miss after the first optimizer step, run once a step since
+            assert group is not None and len(group.members) == len(layers)
+            assert group.runs == step + 1
+        if step >= 4:  # the other adapter's layers, from the switch's step on
+            assert group is not None and {id(m.owner()) for m in group.members} == {
+                id(layer.lora_magnitude_vector["other"]) for layer in layers
+            }

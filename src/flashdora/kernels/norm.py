@@ -171,8 +171,11 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor
 
 
 @triton.jit
-def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr):
-    """norm = sqrt(max(sum of the partial squared norms, 0)) (or the norm itself), then g, g - 1, 1 / norm."""
+def _scales_kernel(
+    p_part, p_m, p_norm, p_scales, n_part, d_out, stride_s, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr
+):
+    """norm = sqrt(max(sum of the partial squared norms, 0)) (or the norm itself), then g, g - 1, 1 / norm (rows of
+    ``p_scales``, ``stride_s`` apart)."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
     mask = offs < d_out
@@ -189,17 +192,23 @@ def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, FROM_SQ: tl.con
     gm1 = tl.where(positive, (m - norm) * inv, -1.0)
     tl.store(p_norm + offs, norm, mask=mask)
     tl.store(p_scales + offs, m * inv, mask=mask)
-    tl.store(p_scales + d_out + offs, gm1, mask=mask)
-    tl.store(p_scales + 2 * d_out + offs, inv, mask=mask)
+    tl.store(p_scales + stride_s + offs, gm1, mask=mask)
+    tl.store(p_scales + 2 * stride_s + offs, inv, mask=mask)
 
 
 def _finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out``: ``None``, a ``[4, d_out]`` buffer (norm, then the scales) or a ``(norm, scales)`` pair of views
+    (``[d_out]`` and ``[3, d_out]``, stride-1 rows: e.g. columns of a norm group's buffers)."""
     n_part, d_out = part.shape
-    both = torch.empty((4, d_out), dtype=torch.float32, device=part.device) if out is None else out
-    norm, scales = both[0], both[1:]
+    if type(out) is tuple:
+        norm, scales = out
+    else:
+        both = torch.empty((4, d_out), dtype=torch.float32, device=part.device) if out is None else out
+        norm, scales = both[0], both[1:]
     block = 1024 if not configs.INTERPRETED else 64
     m = magnitude.detach().contiguous()
-    _scales_kernel[(triton.cdiv(d_out, block),)](part, m, norm, scales, n_part, d_out, FROM_SQ=from_sq, BLOCK=block)
+    grid = (triton.cdiv(d_out, block),)
+    _scales_kernel[grid](part, m, norm, scales, n_part, d_out, scales.stride(0), FROM_SQ=from_sq, BLOCK=block)
     return norm, scales
 
 
@@ -208,7 +217,8 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
 
     Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: what the device machines'
     CPU, not the GPU, pays for at ordinary layer sizes (docs/decisions.md). ``out``: a ``[4, d_out]`` float32
-    buffer to write ``norm`` (row 0) and the scales (rows 1-3) into. ``w_sq``: a known ``||W||^2``.
+    buffer to write ``norm`` (row 0) and the scales (rows 1-3) into, or a ``(norm, scales)`` pair of views to write.
+    ``w_sq``: a known ``||W||^2``.
     """
     return _finish(_partials(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
 

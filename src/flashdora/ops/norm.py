@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from flashdora import _checks, backend
+from flashdora.ops import norm_group
 
 # Default transient budget of the eager path: 16 Mi fp32 elements (64 MiB) per chunk.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -177,8 +178,18 @@ def _tensor_keys(w, a, b, m) -> tuple:
     )
 
 
+def _storage(keys: tuple, scaling: float, w_sq) -> tuple:
+    """Where a norm graph reads its inputs: storage, shape, strides, dtype and device of the four ``keys`` (never
+    their version counters), ``scaling`` and the ``||W||^2`` buffer."""
+    return tuple(k[:1] + k[2:] for k in keys) + (scaling, w_sq.data_ptr())
+
+
 _optimizer_steps = 0
 _hook_handle = None
+
+
+def _optimizer_steps_now() -> int:
+    return _optimizer_steps
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
@@ -223,7 +234,7 @@ def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B
     The first computation for a storage runs eagerly (and warms the autotuner); it is captured for the next.
     """
     scaling = key[3]
-    storage = tuple(k[:1] + k[2:] for k in (*key[:3], m_key)) + (scaling, w_sq.data_ptr())
+    storage = _storage((*key[:3], m_key), scaling, w_sq)
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:
         backend.count("norm:triton")
@@ -286,18 +297,24 @@ class NormCache:
             backend.count("norm:cached")
             return cache["scales"]
         with torch.no_grad():  # the inputs may be parameters (eager calls skip the detach): nothing to record
-            return cls._update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
+            return cls._update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, owner)
 
     @staticmethod
-    def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling):
+    def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, owner):
         triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if cache.get("norm_key") == key:
             backend.count("norm:cached")
             cache["scales"] = _scales(magnitude, cache["norm"], triton)
         else:
             w_sq = NormCache._weight_sq(cache, key[0], weight, triton)
-            if triton:
-                fresh = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude, w_sq)
+            if triton:  # the norm group's run (every training layer at once), else this layer alone
+                grouped = norm_group.enabled()
+                fresh = norm_group.recompute(owner, weight) if grouped else None
+                if fresh is None:
+                    fresh = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude, w_sq)
+                    if grouped:
+                        storage = _storage((*key[:3], full_key[1]), scaling, w_sq)
+                        norm_group.note(owner, cache, weight, lora_A, lora_B, magnitude, scaling, storage)
             else:
                 fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)
             cache["norm"], cache["scales"] = fresh
