@@ -275,7 +275,8 @@ def test_norm_group_recomputes_every_training_layer_once_per_step(device, monkey
             fresh = compute_norm(w.detach(), a.detach(), b.detach(), float(layer.scaling[adapter]))
             torch.testing.assert_close(cache["norm"], fresh, rtol=1e-6, atol=0)
             torch.testing.assert_close(cache["scales"][0], owner.weight.detach() / fresh, rtol=1e-6, atol=0)
-        group = norm_group._STATES[(torch.device(device).type, torch.device(device).index)].group
+        weight = layers[0].get_base_layer().weight
+        group = norm_group._STATES[(weight.device.type, weight.device.index)].group
         if step < 4:  # built at the first miss after the first optimizer step, run once a step since
             assert group is not None and len(group.members) == len(layers)
             assert group.runs == step + 1

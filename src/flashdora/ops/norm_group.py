@@ -83,10 +83,12 @@ def recompute(owner, weight) -> tuple | None:
         members = [m for m in members if id(m.owner()) not in st.pending] + list(st.pending.values())
         st.pending.clear()
         st.group = _Group.build(weight.device, members)
+        backend.count("norm:group_build" if st.group is not None else "norm:group_unbuilt")
     group = st.group
     if group is None or id(owner) not in group.index:
         return None
     if not group.run():
+        backend.count("norm:group_dropped")
         st.group = None
         return None
     cache = owner.__dict__["_flashdora_cache"]
