@@ -8,6 +8,7 @@ its CUDA-event time. Variants, measured in alternation over ``--rounds`` so that
 - ``flashdora``: as shipped (the grad step bumps the weights' versions first, as an optimizer step would, so each
   layer recomputes its norm once per step).
 - ``fd_keep_norm``: the same without the version bump (every norm lookup hits the cache).
+- ``fd_no_group``: each layer recomputes its own norm (``FLASHDORA_NORM_GROUP=0``), as before the norm group.
 - ``fd_no_launch``: the compose kernels' launches skipped at the last call (``configs.launch`` does all its host
   work, then does not call Triton's launcher), and the norm graphs not replayed. Outputs are garbage: the time
   only says what the launches themselves cost the host.
@@ -16,6 +17,7 @@ Usage: PYTHONPATH=src python3 benchmarks/host_attrib.py [--layers 4] [--rounds 3
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -60,6 +62,16 @@ def host_and_wall(step, n):
 
 def _noop(*a, **k):
     return None
+
+
+class _NoGroup:
+    """Within the block: each layer recomputes its own norm (``FLASHDORA_NORM_GROUP=0``), no norm group."""
+
+    def __enter__(self):
+        os.environ["FLASHDORA_NORM_GROUP"] = "0"
+
+    def __exit__(self, *exc):
+        os.environ.pop("FLASHDORA_NORM_GROUP", None)
 
 
 class _NoLaunch:
@@ -111,6 +123,7 @@ for phase in args.phases:
         steps[("peft_lora", phase)] = (grad_step(lora, True), None)
         steps[("flashdora", phase)] = (grad_step(dora, True), None)
         steps[("fd_keep_norm", phase)] = (grad_step(dora, False), None)
+        steps[("fd_no_group", phase)] = (grad_step(dora, True), _NoGroup)
         steps[("fd_no_launch", phase)] = (grad_step(dora, True), _NoLaunch)
     else:
         steps[("peft_lora", phase)] = (inference_step(lora), None)
