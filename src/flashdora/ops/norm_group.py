@@ -108,7 +108,8 @@ def note(owner, cache: dict, weight, lora_A, lora_B, magnitude, scaling: float, 
 
 
 def forget(device: torch.device | None = None) -> None:
-    """Drop the groups (of ``device``, or all): ``enable`` does when it clears the caches."""
+    """Drop the groups and candidates (of ``device``, or all). Nothing needs this for correctness: a group whose
+    member's cache was cleared (``enable`` clears them) fails its next run's checks and is dropped."""
     if device is None:
         _STATES.clear()
     else:
