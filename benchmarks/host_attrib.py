@@ -19,12 +19,12 @@ Usage: PYTHONPATH=src python3 benchmarks/host_attrib.py [--layers 4] [--rounds 3
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
 import flashdora
 from flashdora.bench import model as bm
+from flashdora.bench import timing
 from flashdora.kernels import configs
 from flashdora.kernels import norm as kn
 
@@ -37,27 +37,6 @@ device = torch.device(args.device)
 name, config = bm.build_config(args)
 ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 base = bm.build_base(config, args, device)
-
-
-def host_and_wall(step, n):
-    hosts, walls = [], []
-    for _ in range(n):
-        if device.type != "cuda":  # a dry run of the script on the CPU: host time only
-            t = time.perf_counter()
-            step()
-            hosts.append((time.perf_counter() - t) * 1e3)
-            walls.append(hosts[-1])
-            continue
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t = time.perf_counter()
-        e0.record()
-        step()
-        e1.record()
-        hosts.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-        walls.append(e0.elapsed_time(e1))
-    return statistics.median(hosts), statistics.median(walls)
 
 
 def _noop(*a, **k):
@@ -136,10 +115,10 @@ for rnd in range(args.rounds):
         for _ in range(3):
             step()
         if ctx is None:
-            results[key].append(host_and_wall(step, args.reps))
+            results[key].append(timing.host_and_wall(step, args.reps, device))
         else:
             with ctx():
-                results[key].append(host_and_wall(step, args.reps))
+                results[key].append(timing.host_and_wall(step, args.reps, device))
     print(f"round {rnd + 1} done", flush=True)
 
 n_layers = 7 * args.layers

@@ -12,7 +12,6 @@ Usage: PYTHONPATH=src python3 benchmarks/profile_model.py [--layers 4] [--phases
 import argparse
 import cProfile
 import pstats
-import statistics
 import time
 import traceback
 import warnings
@@ -22,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashdora
 from flashdora.bench import model as bm
+from flashdora.bench import timing
 
 p = argparse.ArgumentParser()
 bm.add_arguments(p)
@@ -35,21 +35,6 @@ device = torch.device("cuda")
 name, config = bm.build_config(args)
 ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 base = bm.build_base(config, args, device)
-
-
-def host_and_wall(step, n=10):
-    hosts, walls = [], []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t = time.perf_counter()
-        e0.record()
-        step()
-        e1.record()
-        hosts.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-        walls.append(e0.elapsed_time(e1))
-    return statistics.median(hosts), statistics.median(walls)
 
 
 def _events(step, activity, device_type, reps):
@@ -106,7 +91,7 @@ for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
         for _ in range(3):
             step()
         flashdora.reset_stats()
-        host, wall = host_and_wall(step)
+        host, wall = timing.host_and_wall(step, 10, device)
         print(f"    stats over 10 steps: {flashdora.stats()}")
         gpu = kernel_table(step, f"{name} {mode} {phase}")
         print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")

@@ -109,3 +109,26 @@ def gemm_tflops(device: torch.device | str, *, n: int = 8192, dtype=torch.bfloat
     out = torch.empty(n, n, device=device, dtype=dtype)
     m = measure(lambda: torch.matmul(a, b, out=out), warmup=warmup, reps=reps, device=device)
     return 2 * n**3 / (m.ms * 1e-3) / 1e12
+
+
+def host_and_wall(step: Callable[[], object], n: int, device: torch.device | str) -> tuple[float, float]:
+    """Medians over ``n`` calls of ``step``, in ms: the host's time to issue it (queue empty at its start) and its
+    CUDA-event time. Host time near wall time means the step is bound by the CPU. Off CUDA both are the host's."""
+    hosts, walls = [], []
+    for _ in range(n):
+        if not is_cuda(device):
+            t = time.perf_counter()
+            step()
+            hosts.append((time.perf_counter() - t) * 1e3)
+            walls.append(hosts[-1])
+            continue
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        e0.record()
+        step()
+        e1.record()
+        hosts.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        walls.append(e0.elapsed_time(e1))
+    return statistics.median(hosts), statistics.median(walls)
