@@ -276,7 +276,8 @@ def _static_launch_fn():
 
 def _static_launcher(fn, compiled, args: tuple):
     """``(None, launch, function, warps, shared, arg types, padding, keep)`` for torch's ``_StaticCudaLauncher``, or
-    ``None`` where it cannot take this kernel (launch hooks set, scratch memory, clusters, other signatures).
+    ``None`` where it cannot take this kernel (scratch memory, clusters, other signatures; ``launch`` checks the
+    launch hooks on every call).
 
     The kernel's own loaded ``CUfunction`` is launched with the arguments its cubin takes: the positional ones
     Triton did not fold into constants (``keep``: their positions, ``None`` for all), plus one null pointer per
@@ -284,8 +285,6 @@ def _static_launcher(fn, compiled, args: tuple):
     non-cooperative kernel without programmatic dependent launch."""
     try:
         meta = compiled.metadata
-        if _hook(knobs.runtime.launch_enter_hook) is not None or _hook(knobs.runtime.launch_exit_hook) is not None:
-            return None
         if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False):
             return None
         if getattr(meta, "launch_pdl", False) or getattr(meta, "tensordesc_meta", None):

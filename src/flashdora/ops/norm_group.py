@@ -154,14 +154,10 @@ class _Group:
 
         out = []
         for m in self.members:
-            owner = m.owner()
-            tensors = tuple(ref() for ref in m.tensors)
-            if owner is None or any(t is None for t in tensors):
+            if not m.trains():
                 return None
-            w, a, b, mag = tensors
-            if not (a.requires_grad or b.requires_grad or mag.requires_grad):
-                return None
-            cache = owner.__dict__.get("_flashdora_cache")
+            tensors = w, a, b, mag = tuple(ref() for ref in m.tensors)
+            cache = m.owner().__dict__.get("_flashdora_cache")
             if cache is None:
                 return None
             keys = _tensor_keys(w, a, b, mag)
