@@ -14,6 +14,7 @@ its CUDA-event time. Variants, measured in alternation over ``--rounds`` so that
   only says what the launches themselves cost the host.
 
 Usage: PYTHONPATH=src python3 benchmarks/host_attrib.py [--layers 4] [--rounds 3] [--phases grad inference]
+[--variants flashdora fd_keep_norm ...]
 """
 
 import argparse
@@ -32,6 +33,8 @@ p = argparse.ArgumentParser()
 bm.add_arguments(p)
 p.set_defaults(layers=4)
 p.set_defaults(rounds=3, reps=10)
+VARIANTS = ("peft_lora", "flashdora", "fd_keep_norm", "fd_no_group", "fd_no_launch")
+p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="peft_lora is always kept")
 args = p.parse_args()
 device = torch.device(args.device)
 name, config = bm.build_config(args)
@@ -109,6 +112,7 @@ for phase in args.phases:
         steps[("flashdora", phase)] = (inference_step(dora), None)
         steps[("fd_no_launch", phase)] = (inference_step(dora), _NoLaunch)
 
+steps = {k: v for k, v in steps.items() if k[0] == "peft_lora" or k[0] in args.variants}
 results = {k: [] for k in steps}
 for rnd in range(args.rounds):
     for key, (step, ctx) in steps.items():

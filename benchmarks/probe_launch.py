@@ -49,9 +49,10 @@ direct_launch = configs.launch
 
 def jit_launch(kernel, grid_, key, args_, flags_):
     """Triton's JIT dispatch with the tuned config (what ``configs.launch`` replaces once a key is tuned)."""
-    config = configs._TUNED.get((id(kernel), key))
-    if config is None:
+    tuned = configs._TUNED.get((id(kernel), key))
+    if tuned is None:
         return direct_launch(kernel, grid_, key, args_, flags_)
+    config = tuned[0]
     kernel.fn[grid_(config)](*args_, **flags_, **config)
 
 
@@ -93,6 +94,7 @@ for label, f in (
         lambda: configs.launch(kc._compose_fused_fwd_kernel, grid, key, args_f, flags_f),
     ),
     ("configs._specialization", lambda: configs._specialization(args_f)),
+    ("configs._launch_specialization", lambda: configs._launch_specialization(args_f, 8)),
     ("torch.empty [t, n] bf16", lambda: torch.empty((t, n), dtype=torch.bfloat16, device=dev)),
     ("tensor.unbind(0) of [3, n]", lambda: scales.unbind(0)),
     ("F.linear [t, n] x [r, n]^T", lambda: torch.nn.functional.linear(res, wa)),

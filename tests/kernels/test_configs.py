@@ -48,6 +48,38 @@ def test_specialization_tells_apart_what_triton_specializes_on():
     assert spec((buf, 2**31, 1.5)) != spec((buf, 2**31 - 16, 1.5))
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param((0, 0, 32, 1.5), id="aligned"),
+        pytest.param((1, 0, 32, 1.5), id="first-misaligned"),
+        pytest.param((0, 3, 33, 2.5), id="second-misaligned"),
+        pytest.param((4, 4, 1, 1.5), id="both-misaligned-one"),
+        pytest.param((0, 0, 2**31, 1.5), id="int64"),
+    ],
+)
+def test_launch_specialization_tells_apart_what_specialization_does(args):
+    """The launch's fast key (pointers in one pass, scalars looked up by value) separates two calls exactly when
+    ``_specialization`` does, over pairs of pointer offsets, ints and floats."""
+    buf = torch.zeros(64)
+
+    def call(off_x, off_y, n, alpha):
+        return (buf[off_x:], buf[off_y:], n, alpha)
+
+    others = [(0, 0, 32, 1.5), (1, 0, 32, 1.5), (0, 3, 33, 2.5), (4, 4, 1, 1.5), (0, 0, 2**31, 1.5), (8, 0, 48, 0.5)]
+    a = call(*args)
+    for other in others:
+        b = call(*other)
+        slow = configs._specialization(a) == configs._specialization(b)
+        assert (configs._launch_specialization(a, 2) == configs._launch_specialization(b, 2)) == slow, other
+
+
+def test_launch_refuses_a_tensor_after_a_scalar():
+    x = torch.zeros(10)
+    with pytest.raises(TypeError, match="tensor arguments must all come before"):
+        configs._leading_tensors((x, 10, x))
+
+
 @triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=2)], key=["n"])
 @triton.jit
 def _axpy_kernel(p_x, p_y, p_out, n, stride, alpha, BLOCK: tl.constexpr):
@@ -77,8 +109,8 @@ def test_direct_launches_match_tritons_launcher(monkeypatch, stride):
     y = torch.randn(n, device="cuda")
     ref = 0.75 * x[::stride] + y
     outs = [_axpy(x, y, stride, 0.75) for _ in range(3)]
-    code = configs._specialization((stride,))[0]
-    hits = [v for k, v in configs._COMPILED.items() if k[0][0] == id(_axpy_kernel) and k[-1][4] == code]
+    code = configs._specialization((stride,))[0]  # the key's last field: (pointer codes, codes of n, stride, alpha)
+    hits = [v for k, v in configs._COMPILED.items() if k[0][0] == id(_axpy_kernel) and k[-1][1][1] == code]
     assert len(hits) == 1
     if configs._static_ok():
         assert hits[0][0] is None, "torch's launcher was not taken"

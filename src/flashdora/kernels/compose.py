@@ -183,6 +183,12 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
+def _empty_rows(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor shaped and typed like ``t`` (``empty_like`` parses no size: a third of the
+    host cost of ``torch.empty(t.shape, dtype=..., device=...)``; these run on every layer call)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(a // -b)  # (``triton.cdiv`` is a ConstexprFunction in recent Triton: several Python calls on the host)
 
@@ -200,8 +206,8 @@ def _fwd_io(result, scales, bias, lx_base, save_inner):
     has_bias = bias is not None and not has_lx_base
     lb2, stride_lb = _rows(lx_base, n) if has_lx_base else (res2, stride_res)
     bias_c = bias.contiguous() if has_bias else scales
-    y = torch.empty(result.shape, dtype=result.dtype, device=result.device)
-    inner = torch.empty(result.shape, dtype=result.dtype, device=result.device) if save_inner else y
+    y = _empty_rows(result)
+    inner = _empty_rows(result) if save_inner else y
     # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
     round_base = has_bias and result.dtype in (torch.float16, torch.bfloat16) and bias.dtype == result.dtype
     flags = dict(
@@ -269,11 +275,11 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     t = dy.numel() // n if n > 0 else 0
     dy2, s_dy = _rows(dy, n)
     inner2, s_inner = _rows(inner, n) if inner is not None else (dy2, s_dy)
-    gdy = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    d_lx_base = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device) if has_lx_base else gdy
-    rows_per_prog = _rows_per_prog(t, n, dy.device)
+    gdy = _empty_rows(dy)
+    d_lx_base = _empty_rows(dy) if has_lx_base else gdy
+    rows_per_prog, like_part = _bwd_split(t, n, scales)
     n_split = _cdiv(t, rows_per_prog) if t > 0 else 0
-    dg_part = torch.empty((n_split, n), dtype=scales.dtype, device=dy.device) if inner is not None else scales
+    dg_part = torch.empty_like(like_part) if inner is not None else scales  # [n_split, d_out]
     if t > 0 and n > 0:
         args = (
             dy2, inner2, scales, gdy, d_lx_base, dg_part,
@@ -292,19 +298,25 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     return gdy, d_lx_base if has_lx_base else None, dg
 
 
-_ROWS_PER_PROG: dict[tuple, int] = {}
+_BWD_SPLIT: dict[tuple, tuple] = {}
 
 
-def _rows_per_prog(t: int, n: int, device: torch.device) -> int:
-    """Tokens per backward program: a multiple of every BLOCK_M, sized for a few waves; independent of config."""
-    key = (t, n, device)
-    hit = _ROWS_PER_PROG.get(key)
+def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(tokens per backward program, a stand-in shaped like the partial-sum buffer)`` for ``t`` tokens.
+
+    The token range is a multiple of every BLOCK_M, sized for a few waves; independent of config. The stand-in is
+    one element expanded to ``[n_split, d_out]``: ``torch.empty_like`` of it allocates the buffer at a third of the
+    host cost of ``torch.empty`` with a size."""
+    key = (t, n, scales.dtype, scales.device)
+    hit = _BWD_SPLIT.get(key)
     if hit is not None:
         return hit
     q = configs.COMPOSE_BWD_ROW_QUANTUM
-    sms = configs.sm_count(device)
+    sms = configs.sm_count(scales.device)
     target = sms * configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM
     col_blocks = _cdiv(n, configs.COMPOSE_BWD_MIN_COL_BLOCK)
     n_split = max(1, _cdiv(target, col_blocks))
-    rows = _ROWS_PER_PROG[key] = max(q, _cdiv(_cdiv(t, n_split), q) * q)
-    return rows
+    rows = max(q, _cdiv(_cdiv(t, n_split), q) * q)
+    like = scales.new_empty(1).expand(_cdiv(t, rows) if t > 0 else 0, n)
+    hit = _BWD_SPLIT[key] = (rows, like)
+    return hit

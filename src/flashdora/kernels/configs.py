@@ -144,7 +144,7 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-_TUNED: dict[tuple, dict] = {}  # (kernel, key) -> the autotuner's choice
+_TUNED: dict[tuple, tuple] = {}  # (kernel, key) -> (the autotuner's choice, how many leading tensor arguments)
 _COMPILED: dict[tuple, tuple] = {}  # (kernel, key, flags, specialization) -> (compiled kernel, its launcher, tail)
 _I32_MIN, _I32_MAX = -(2**31), 2**31
 
@@ -152,7 +152,7 @@ _I32_MIN, _I32_MAX = -(2**31), 2**31
 def _specialization(args: tuple) -> tuple:
     """What Triton specializes a compiled kernel on, per argument, as a small int: 16-byte alignment of pointers;
     divisibility by 16, equality to 1 and 32-bit range of integers. Two calls with equal tuples can share one
-    compiled kernel. (One loop with int codes: this runs on every launch; a generator was slower.)"""
+    compiled kernel. (One loop with int codes; a generator was slower.)"""
     codes = []
     for a in args:
         kind = type(a)
@@ -163,6 +163,37 @@ def _specialization(args: tuple) -> tuple:
         else:  # a tensor
             codes.append(16 + (not a.data_ptr() & 15))
     return tuple(codes)
+
+
+_TAIL_CODES: dict[tuple, tuple] = {}  # the scalar arguments of a launch -> their ``_specialization``
+_TAIL_CODES_MAX = 4096  # distinct scalar tuples kept (token counts vary with batches); then it starts over
+
+
+def _launch_specialization(args: tuple, n_tensors: int) -> tuple:
+    """``_specialization(args)`` for arguments whose first ``n_tensors`` are the tensors, at the host cost of one
+    pass over the pointers and a dict lookup: this runs on every launch. All pointers 16-byte aligned (the caching
+    allocator's blocks are) give one code for the lot; the scalars' codes are looked up by their values."""
+    bits = 0
+    for a in args[:n_tensors]:
+        bits |= a.data_ptr()
+    head = n_tensors if not bits & 15 else _specialization(args[:n_tensors])
+    tail = args[n_tensors:]
+    codes = _TAIL_CODES.get(tail)
+    if codes is None:
+        if len(_TAIL_CODES) >= _TAIL_CODES_MAX:
+            _TAIL_CODES.clear()
+        codes = _TAIL_CODES[tail] = _specialization(tail)
+    return head, codes
+
+
+def _leading_tensors(args: tuple) -> int:
+    """How many of ``args`` come before the first non-tensor (all of them are tensors there: checked)."""
+    n = 0
+    while n < len(args) and isinstance(args[n], torch.Tensor):
+        n += 1
+    if any(isinstance(a, torch.Tensor) for a in args[n:]):
+        raise TypeError("configs.launch: tensor arguments must all come before the scalar ones")
+    return n
 
 
 def _check_complete(kernel, args: tuple, flags: dict) -> None:
@@ -191,14 +222,16 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     which a DoRA layer of ordinary size cannot hide (docs/decisions.md).
     """
     tuned_key = (id(kernel), key)
-    config = _TUNED.get(tuned_key)
-    if config is None:
+    tuned = _TUNED.get(tuned_key)
+    if tuned is None:
         _check_complete(kernel, args, flags)
+        n_tensors = _leading_tensors(args)
         kernel[grid](*args, **flags)
         if INTERPRETED:
             return
-        config = _TUNED[tuned_key] = kernel.best_config.all_kwargs()
+        _TUNED[tuned_key] = (kernel.best_config.all_kwargs(), n_tensors)
         return
+    config, n_tensors = tuned
     g = grid(config)
     if INTERPRETED:
         kernel.fn[g](*args, **flags, **config)
@@ -209,7 +242,7 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
         named = {**dict(zip(fn.arg_names, args)), **flags, **config}
         extra = tuple(rule(named) for rule in fn.values.values())
     device = args[0].get_device()
-    compiled_key = (tuned_key, device, tuple(flags.values()), extra, _specialization(args))
+    compiled_key = (tuned_key, device, tuple(flags.values()), extra, _launch_specialization(args, n_tensors))
     hit = _COMPILED.get(compiled_key)
     if hit is None:
         compiled = fn[g](*args, **flags, **config)

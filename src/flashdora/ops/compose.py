@@ -74,16 +74,28 @@ def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
 
 
+_kc = None  # flashdora.kernels.compose, once a Triton call has imported it (``import flashdora`` needs no Triton)
+
+
+def _import_kernels():
+    """``flashdora.kernels.compose``, imported on the first Triton call and kept in ``_kc``: an import statement in
+    the layer path costs more host time than the rest of a wrapper's argument handling."""
+    global _kc
+    from flashdora.kernels import compose as kc
+
+    _kc = kc
+    return kc
+
+
 def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner, triton):
     """Forward body from the LoRA A output ``a``: ``(y, inner | None)``; ``triton``: ``backend.use_triton(result)``."""
     if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         backend.count("triton")
-        from flashdora.kernels.compose import compose_fwd_fused
-
+        kc = _kc or _import_kernels()
         # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
         # GPU time saved outweighs the extra launch's host time (docs/decisions.md).
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
-        return compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
+        return kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
     backend.count("eager")
     g, gm1, _ = scales.unbind(0)
     lora = F.linear(a, _cast(lora_B, compute_dtype))  # [..., d_out]
@@ -123,9 +135,7 @@ def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, tr
     # (the same bits when s is a power of two; one rounding apart otherwise, docs/decisions.md).
     lora_scale, alpha = (scaling, 1.0) if has_lx_base else (1.0, scaling)
     if triton:  # the forward's choice (same device)
-        from flashdora.kernels.compose import compose_bwd
-
-        gdy, d_lx_base, dg = compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
+        gdy, d_lx_base, dg = (_kc or _import_kernels()).compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
     else:
         gdy, d_lx_base, dg = compose_bwd_eager(dy, inner, scales, has_lx_base, lora_scale)
     if needs[0]:
