@@ -128,7 +128,7 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
     c = ng._mm_f32(w, a16.T)
     block_j = kn.configs.norm_block_r(r)
     part = torch.empty((triton.cdiv(r, block_j), d_out), device=DEV)
-    epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), b.stride(0), b.stride(1), part.stride(0))
+    epi_args = (c, b, g, w_sq, part, d_out, r, 2.0, 1.0, c.stride(0), 1, b.stride(0), b.stride(1), part.stride(0))
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
     epilogue = lambda: ng._epilogue_kernel[grid](*epi_args, BLOCK_J=block_j)  # noqa: E731
     add("piece: Triton epilogue (B G on TF32, row-dot)", ms(epilogue))

@@ -40,11 +40,15 @@ def device():
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):
-    """``torch.empty`` that fills floating outputs with NaN, so an element a kernel forgets to write shows up."""
-    empty = torch.empty
+    """``torch.empty`` and ``torch.empty_like`` that fill floating outputs with NaN, so an element a kernel forgets to
+    write shows up."""
 
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+    def poisoned(factory):
+        def nan_factory(*args, **kwargs):
+            t = factory(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(torch, "empty", nan_empty)
+        return nan_factory
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))

@@ -155,3 +155,30 @@ def test_norm_every_config(d_out, d_in, r, w_dtype, device, poisoned_empty, one_
         assert_close(out.clamp_min(0).sqrt(), ref, NORM_RTOL[w_dtype], f"norm, config {cfg}")
         first = first or (cfg, out)
         assert_close(out, first[1].double(), 1e-5, f"squared norm, config {cfg} vs {first[0]}")
+
+
+@pytest.mark.parametrize(
+    "d_out, d_in, r",
+    [
+        pytest.param(130, 48, 70, id="130x48-r70"),
+        pytest.param(37, 50, 3, id="37x50-r3"),
+        pytest.param(28672, 8192, 384, id="28672x8192-r384", marks=pytest.mark.gpu),
+        pytest.param(27648, 5120, 384, id="27648x5120-r384", marks=pytest.mark.gpu),
+    ],
+)
+@pytest.mark.parametrize("layout", ["C", "C^T", "timed"])
+def test_norm_cross_term_layouts(d_out, d_in, r, layout, device, poisoned_empty, monkeypatch):
+    """The 16-bit norm's cross term ``W a^T`` written as ``[rows, r]`` or as its transpose (cuBLAS runs each faster
+    at some shapes; the GPU times both once per shape and keeps the faster): each meets the bar against float64, in
+    row chunks whose last one is short."""
+    from flashdora.kernels import norm_gemm
+
+    monkeypatch.setattr(norm_gemm, "_TRANSPOSED", {})
+    if layout != "timed":
+        monkeypatch.setattr(norm_gemm, "_faster_transposed", lambda w, a, key: layout == "C^T")
+    monkeypatch.setattr(norm_gemm, "_CHUNK_ELEMENTS", (d_out // 3 + 7) * r)  # three chunks, the last one short
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, torch.bfloat16, torch.float32, device)
+    _check(weight, lora_A, lora_B, 0.7, NORM_RTOL[torch.bfloat16])
+    if layout == "timed":
+        assert len(norm_gemm._TRANSPOSED) == 2  # one choice per chunk shape (the last chunk is shorter)
+        assert not any(norm_gemm._TRANSPOSED.values()) or device == "cuda"

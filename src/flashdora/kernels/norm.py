@@ -11,6 +11,8 @@ a fixed order; ``||W||^2`` comes from the caller (the norm cache keeps it per we
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -240,7 +242,8 @@ def _graph_pool(device: torch.device) -> tuple:
         handle = torch.cuda.graph_pool_handle()
         anchor = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")  # (empty on purpose)
             anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
             anchor.capture_end()
         entry = _GRAPH_POOLS[index] = (handle, stream, anchor)

@@ -5,7 +5,8 @@ weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA 
 
 1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
 2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
-   half of on an H100 (docs/decisions.md).
+   half of on an H100 (docs/decisions.md). Written as ``[rows, r]`` or as its transpose, whichever layout cuBLAS
+   runs faster at this shape (timed once per shape).
 3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
    row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
    version); ``kernels/norm.py`` sums the slices and computes the norm and DoRA's scales in one more launch.
@@ -68,7 +69,7 @@ def _gram_term(
 def _epilogue_kernel(
     p_c, p_b, p_gram, p_wsq, p_part,
     rows, r, two_s, s_sq,
-    stride_c, stride_bm, stride_br, stride_part,
+    stride_cm, stride_cj, stride_bm, stride_br, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M rows, BLOCK_J slice of r] tile: ``T = 2s C + s^2 B G[:, slice]`` (a plain GEMM loop over K = r
@@ -84,7 +85,7 @@ def _epilogue_kernel(
         bg, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, 1.0, False, "tf32", BLOCK_G
     )  # fmt: skip
     mask = mask_m[:, None] & mask_j[None, :]
-    b_c = tl.load(p_c + offs_m[:, None] * stride_c + offs_j[None, :], mask=mask, other=0.0)
+    b_c = tl.load(p_c + offs_m[:, None] * stride_cm + offs_j[None, :] * stride_cj, mask=mask, other=0.0)
     p_bj = p_b + offs_m[:, None] * stride_bm + offs_j[None, :] * stride_br
     b_bj = tl.load(p_bj, mask=mask, other=0.0).to(tl.float32)
     part = tl.sum((two_s * b_c + s_sq * bg) * b_bj, axis=1)  # [BLOCK_M]
@@ -99,6 +100,48 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return torch.mm(x, y, out_dtype=torch.float32)
     return torch.mm(x.float(), y.float())
+
+
+# (rows, d_in, r, dtype, device) -> whether cuBLAS runs the cross term faster as ``C^T = a W^T`` (``[r, rows]``)
+# than as ``C = W a^T``: the same product, tiled differently. Neither layout wins at every shape (H100, r = 384:
+# C^T 14% faster at 8192 -> 28672 and 4096 -> 14336, 5-9% slower at 5120 -> 27648 and 14336 -> 4096;
+# benchmarks/norm_gemm_layout.py), so each shape's first computation times both and keeps the faster.
+_TRANSPOSED: dict[tuple, bool] = {}
+_LAYOUT_REPS = 3
+
+
+def _cross_term(w_rows: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(C, stride over rows, stride over r)`` with ``C = w_rows a^T`` float32, in the layout cuBLAS runs faster."""
+    key = (*w_rows.shape, a.shape[0], w_rows.dtype, w_rows.device)
+    transposed = _TRANSPOSED.get(key)
+    if transposed is None:
+        transposed = _faster_transposed(w_rows, a, key)
+    if transposed:
+        c = _mm_f32(a, w_rows.T)  # [r, rows]
+        return c, 1, c.stride(0)
+    c = _mm_f32(w_rows, a.T)  # [rows, r]
+    return c, c.stride(0), 1
+
+
+def _faster_transposed(w_rows, a, key) -> bool:
+    """Times both layouts on the GPU (a few calls each, once per shape) and files the choice; ``False`` elsewhere and
+    while a CUDA graph is being captured (nothing may be timed then; the next eager call decides)."""
+    if not w_rows.is_cuda or torch.cuda.is_current_stream_capturing():
+        if not w_rows.is_cuda:
+            _TRANSPOSED[key] = False
+        return False
+    times = []
+    for fn in (lambda: _mm_f32(w_rows, a.T), lambda: _mm_f32(a, w_rows.T)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(_LAYOUT_REPS):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    _TRANSPOSED[key] = times[1] < times[0]
+    return _TRANSPOSED[key]
 
 
 def gram(a: torch.Tensor) -> torch.Tensor:
@@ -140,13 +183,13 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
-        c = _mm_f32(weight[i : i + rows], a.T)  # [rows, r]
+        c, stride_cm, stride_cj = _cross_term(weight[i : i + rows], a)  # C = W a^T, [rows, r] or transposed
         b = lora_B[i : i + rows]
         grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (
             c, b, g, w_sq[i : i + rows], part[:, i : i + rows],
             rows, r, 2.0 * scaling, scaling * scaling,
-            c.stride(0), b.stride(0), b.stride(1), part.stride(0),
+            stride_cm, stride_cj, b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
         configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
     return part
