@@ -81,6 +81,7 @@ def test_float64_stays_eager(monkeypatch):
     monkeypatch.setenv("FLASHDORA_BACKEND", "auto")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(backend, "triton_available", lambda: True)
+    monkeypatch.setattr(backend, "current_cuda_device", lambda: torch.zeros(1).get_device())
     assert backend.use_triton(torch.zeros(2)) and not backend.use_triton(x)
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="float64 runs eager"):
@@ -99,3 +100,26 @@ def test_switches_follow_a_replaced_environ():
     with mock.patch("os.environ", {"FLASHDORA_BACKEND": "bogus"}), pytest.raises(ValueError, match="bogus"):
         backend.requested_backend()
     assert backend.requested_backend() == "auto" and cache_enabled()
+
+
+@pytest.mark.gpu
+def test_tensors_off_the_current_device_run_eager(monkeypatch):
+    """CUDA tensors on a device other than the current one (layers spread over GPUs in one process) run the eager
+    path under ``auto``, warned once, with the same values; ``triton`` refuses them with a named error. One GPU
+    plays a second by reporting another current device."""
+    monkeypatch.delenv("FLASHDORA_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "_warned", set())
+    i = dora_inputs(64, 48, 8, device="cuda")
+    args = (i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+    reset_stats()
+    ref = dora_linear(*args)
+    assert stats().get("triton") == 1
+    monkeypatch.setattr(backend, "current_cuda_device", lambda: i["x"].get_device() + 1)
+    reset_stats()
+    with pytest.warns(UserWarning, match=r"tensors on cuda:0 while cuda:1 is the current device"):
+        out = dora_linear(*args)
+    assert stats().get("eager") == 1 and "triton" not in stats()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match=r"FLASHDORA_BACKEND=triton: tensors on cuda:0 while cuda:1"):
+        dora_linear(*args)

@@ -75,7 +75,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     ``auto``: Triton for CUDA tensors when Triton imports, eager otherwise (and for float64 tensors, which the
     float32 kernels would not keep exact). ``triton``: Triton whenever it can run (CUDA tensors, or CPU tensors
     under ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error, never a silent switch.
-    ``eager``: never. Called several times per layer call, so the common case is a few attribute reads.
+    ``eager``: never. CUDA tensors on a device other than the current one (layers spread over GPUs in one process,
+    e.g. ``device_map="auto"``) run eager under ``auto``, with a one-time warning, and are an error under
+    ``triton``: the kernels launch on the current device. Called several times per layer call, so the common case
+    is a few attribute reads.
     """
     backend = requested_backend()
     if backend == "eager":
@@ -84,6 +87,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         for t in tensors:
             if not t.is_cuda or t.dtype == torch.float64:
                 return False
+        if tensors[0].get_device() != current_cuda_device():
+            warn_once("other_device", _other_device_message(tensors[0]) + "; these calls run flashdora's eager path")
+            return False
         return triton_available()
     if any(t.dtype == torch.float64 for t in tensors):  # the kernels compute in float32: references stay exact
         raise RuntimeError("FLASHDORA_BACKEND=triton: the Triton kernels compute in float32; float64 runs eager")
@@ -96,7 +102,25 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         raise RuntimeError(
             f"FLASHDORA_BACKEND=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got devices {devices}"
         )
+    if on_cuda and tensors[0].get_device() != current_cuda_device():
+        raise RuntimeError(f"FLASHDORA_BACKEND=triton: {_other_device_message(tensors[0])}")
     return True
+
+
+_CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)  # (absent from CPU builds)
+
+
+def current_cuda_device() -> int:
+    """The index of the current CUDA device (``torch.cuda.current_device()`` without its Python layers)."""
+    return _CUDA_GET_DEVICE() if _CUDA_GET_DEVICE is not None else torch.cuda.current_device()
+
+
+def _other_device_message(t: torch.Tensor) -> str:
+    index = t.get_device()
+    return (
+        f"tensors on cuda:{index} while cuda:{current_cuda_device()} is the current device (the Triton kernels "
+        f"launch on the current device; torch.cuda.set_device({index}) before the call gives them the kernels)"
+    )
 
 
 def autocast_off(device_type: str):
