@@ -85,6 +85,7 @@ def test_model_files_and_schema(tmp_path):
         assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
         assert "error" not in r, r
         assert r["ms"] > 0 and r["peak_extra_gib"] is None
+        assert r["warmup_s"] > 0  # the one warm-up step's wall time
     assert all(r["paths"] for r in records if r["mode"] == "flashdora")
     assert result["config"]["num_hidden_layers"] == 2
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
@@ -98,6 +99,7 @@ def test_model_rounds_pool_every_rounds_steps(tmp_path):
     for r in result["records"]:
         assert len(r["times_ms"]) == 6 and len(r["round_ms"]) == 2, r
         assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
+        assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 2
     assert "each round's median ms" in files[".md"].read_text()
 
 

@@ -211,6 +211,7 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
                 ms=m.ms,
                 peak_extra_gib=m.peak_extra_gib,
                 times_ms=m.times_ms,
+                warmup_s=m.warmup_s,
                 tokens_per_s=row["tokens"] * (args.grad_accum if phase == "grad" else 1) / (m.ms * 1e-3),
             )
         except Exception as e:  # noqa: BLE001 - recorded in the row and printed; the other modes still run
@@ -267,6 +268,7 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
         row["ms"] = statistics.median(times)
         row["times_ms"] = times
         row["round_ms"] = [r["ms"] for r in same]
+        row["round_warmup_s"] = [r["warmup_s"] for r in same]  # (``warmup_s``: the first round's, compiles included)
         peaks = [r["peak_extra_gib"] for r in same if r["peak_extra_gib"] is not None]
         row["peak_extra_gib"] = max(peaks) if peaks else None
         row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]

@@ -31,6 +31,7 @@ def render_markdown(result: dict) -> str:
         "vs peft_lora",
         "peft_dora / this",
         "peak extra GiB",
+        "warm-up s",
         "paths",
     ]
     rows = []
@@ -50,6 +51,7 @@ def render_markdown(result: dict) -> str:
                 ratio(r, "peft_lora"),
                 None if not r["ms"] or dora is None else dora / r["ms"],
                 r["peak_extra_gib"],
+                r.get("warmup_s"),
                 " ".join(r.get("paths") or []) or r.get("error") or "-",
             ]
         )
@@ -62,7 +64,9 @@ def render_markdown(result: dict) -> str:
                 f"- build/wrap wall time: {build}",
                 "",
                 "ms: median per step (grad: forward + backward, optimizer excluded; with rounds, over every "
-                "round's steps); peak extra GiB: above the resident model and adapters.",
+                "round's steps); peak extra GiB: above the resident model and adapters; warm-up s: wall time of the "
+                f"{result['protocol']['warmup']} untimed steps before them (the first round's with rounds): Triton's "
+                "compiles and autotuning, flashdora's norm graph captures, cuBLAS's first calls.",
                 "",
                 record.table(columns, rows),
             ]

@@ -26,6 +26,7 @@ class Measurement:
     ms: float
     times_ms: list[float]
     peak_extra_bytes: int | None
+    warmup_s: float = 0.0  # wall time of the warm-up calls (compiles, autotuning, graph captures fall here)
 
     @property
     def peak_extra_mib(self) -> float | None:
@@ -72,16 +73,20 @@ def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str)
 
 
 def measure(fn: Callable[[], object], *, warmup: int, reps: int, device: torch.device | str) -> Measurement:
-    """Run ``fn`` ``warmup`` times, then time ``reps`` calls; median ms and peak memory above the pre-call baseline.
+    """Run ``fn`` ``warmup`` times, then time ``reps`` calls; median ms and peak memory above the pre-call baseline,
+    and the warm-up's wall time (queue drained before and after).
 
     The baseline is what is allocated after the warm-up (the resident model, inputs and anything ``fn`` keeps, such
     as ``.grad`` buffers unless ``fn`` sets them to ``None``), so the peak is the transient cost of one call.
     """
     if reps < 1:
         raise ValueError(f"measure: reps expected >= 1, got {reps}")
+    synchronize(device)
+    t0 = time.perf_counter()
     for _ in range(warmup):
         fn()
     synchronize(device)
+    warmup_s = time.perf_counter() - t0
     baseline = None
     if is_cuda(device):
         gc.collect()
@@ -91,7 +96,7 @@ def measure(fn: Callable[[], object], *, warmup: int, reps: int, device: torch.d
     peak = None
     if baseline is not None:
         peak = max(0, torch.cuda.max_memory_allocated(device) - baseline)
-    return Measurement(ms=statistics.median(times), times_ms=times, peak_extra_bytes=peak)
+    return Measurement(ms=statistics.median(times), times_ms=times, peak_extra_bytes=peak, warmup_s=warmup_s)
 
 
 def copy_bandwidth_gbps(device: torch.device | str, *, nbytes: int = GIB, warmup: int = 3, reps: int = 20) -> float:
