@@ -61,7 +61,7 @@ def _compose_tile(
         tl.store(p_out, _to_out(b_inner, p_inner.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-@triton.autotune(configs=configs.COMPOSE_FWD, key=["N"])
+@triton.autotune(configs=configs.COMPOSE_FWD, key=["N"], do_bench=configs.bench)
 @triton.jit(do_not_specialize=["T"])
 def _compose_fwd_kernel(
     p_result, p_lora, p_lx_base, p_bias, p_scales, p_y, p_inner,
@@ -87,7 +87,7 @@ def _compose_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(configs=configs.COMPOSE_FUSED, key=["N", "R"])
+@triton.autotune(configs=configs.COMPOSE_FUSED, key=["N", "R"], do_bench=configs.bench)
 @triton.jit(do_not_specialize=["T"])
 def _compose_fused_fwd_kernel(
     p_result, p_a, p_lora_B, p_lx_base, p_bias, p_scales, p_y, p_inner,
@@ -128,7 +128,7 @@ def _compose_fused_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(configs=configs.COMPOSE_BWD, key=["N"])
+@triton.autotune(configs=configs.COMPOSE_BWD, key=["N"], do_bench=configs.bench)
 @triton.jit(do_not_specialize=["T", "rows_per_prog"])
 def _compose_bwd_kernel(
     p_dy, p_inner, p_scales, p_gdy, p_d_lx_base, p_dg_part,

@@ -24,7 +24,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 @triton.autotune(
-    configs=configs.NORM_FWD, key=["d_out", "d_in", "r"], prune_configs_by={"early_config_prune": configs.prune_norm}
+    configs=configs.NORM_FWD,
+    key=["d_out", "d_in", "r"],
+    prune_configs_by={"early_config_prune": configs.prune_norm},
+    do_bench=configs.bench,
 )
 @triton.heuristics({"EVEN_K": lambda args: args["d_in"] % args["BLOCK_K"] == 0})
 @triton.jit

@@ -64,7 +64,7 @@ def _gram_term(
     return acc
 
 
-@triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"])
+@triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"], do_bench=configs.bench)
 @triton.jit(do_not_specialize=["rows"])
 def _epilogue_kernel(
     p_c, p_b, p_gram, p_wsq, p_part,
