@@ -2,10 +2,11 @@
 
 ``C = W a^T`` is ``[d_out, r]``: M = d_out, N = r, and at r = 384 cuBLAS's output tiles fill its waves unevenly.
 ``C^T = a W^T`` is the same product with M = r, N = d_out, which cuBLAS tiles differently. Also times the whole
-16-bit norm (``||W||^2`` given, as the cache keeps it) with each layout, and with the one it chooses. Graph replays of ``--replays`` calls, the median
-of ``--repeat`` alternating turns, so that host gaps and drift fall out.
+16-bit norm (``||W||^2`` given, as the cache keeps it) with each layout, and with the one it chooses. Graph
+replays of ``--replays`` calls, the median of ``--repeat`` alternating turns, so that host gaps and drift fall out.
 
-Usage: PYTHONPATH=src python3 benchmarks/norm_gemm_layout.py [--shapes 8192x28672 ...] [--rank 384] [--repeat 5]
+Usage: PYTHONPATH=src python3 benchmarks/norm_gemm_layout.py [--shapes 8192x28672 ...] [--rank 384]
+[--repeat 5]
 """
 
 import argparse
@@ -16,7 +17,8 @@ import torch
 from flashdora.kernels import norm_gemm as ng
 
 p = argparse.ArgumentParser()
-p.add_argument("--shapes", nargs="+", default=["8192x28672", "5120x27648", "4096x14336", "14336x4096", "4096x4096"])
+SHAPES = ["8192x28672", "5120x27648", "4096x14336", "14336x4096", "4096x4096"]
+p.add_argument("--shapes", nargs="+", default=SHAPES)
 p.add_argument("--rank", type=int, default=384)
 p.add_argument("--repeat", type=int, default=5)
 p.add_argument("--replays", type=int, default=20)
@@ -63,7 +65,10 @@ n = 8192
 x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 print(f"# {torch.cuda.get_device_name()}, r = {args.rank}; ms per call (graph replay), median of {args.repeat} turns")
-for shape in args.shapes:
+
+
+def measure(shape):
+    """The rows of one shape: each variant's replays, alternating over ``--repeat`` turns."""
     d_in, d_out = (int(v) for v in shape.split("x"))
     w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(args.rank, d_in, device="cuda", dtype=torch.bfloat16)
@@ -83,9 +88,16 @@ for shape in args.shapes:
             times[k].append(graph_ms(fn, args.replays))
     gemm_tflops = 2 * n**3 / (statistics.median(times["gemm 8192^3"]) * 1e-3) / 1e12
     flops = 2 * d_out * d_in * args.rank
-    print(f"{shape:11s} chosen layout: {'C^T' if ng._TRANSPOSED.get((d_out, d_in, args.rank, w.dtype, w.device)) else 'C'}")
+    chosen = ng._TRANSPOSED.get((d_out, d_in, args.rank, w.dtype, w.device))
+    print(f"{shape:11s} chosen layout: {'C^T' if chosen else 'C'}")
     for k, ts in times.items():
         med = statistics.median(ts)
         rate = (2 * n**3 if k.startswith("gemm") else flops) / (med * 1e-3) / 1e12
-        print(f"{shape:11s} {k:22s} {med:8.4f} ms ({min(ts):.4f}-{max(ts):.4f}) {rate:6.1f} TFLOP/s "
-              f"{rate / gemm_tflops:6.1%} of the bf16 GEMM")  # fmt: skip
+        print(
+            f"{shape:11s} {k:22s} {med:8.4f} ms ({min(ts):.4f}-{max(ts):.4f}) {rate:6.1f} TFLOP/s "
+            f"{rate / gemm_tflops:6.1%} of the bf16 GEMM"
+        )
+
+
+for shape in args.shapes:
+    measure(shape)
