@@ -277,9 +277,9 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     inner2, s_inner = _rows(inner, n) if inner is not None else (dy2, s_dy)
     gdy = _empty_rows(dy)
     d_lx_base = _empty_rows(dy) if has_lx_base else gdy
-    rows_per_prog, like_part = _bwd_split(t, n, scales)
-    n_split = _cdiv(t, rows_per_prog) if t > 0 else 0
-    dg_part = torch.empty_like(like_part) if inner is not None else scales  # [n_split, d_out]
+    rows_per_prog, like_part = _bwd_split(t, n, scales)  # like_part: [n_split, d_out]
+    n_split = like_part.shape[0]
+    dg_part = torch.empty_like(like_part) if inner is not None else scales
     if t > 0 and n > 0:
         args = (
             dy2, inner2, scales, gdy, d_lx_base, dg_part,

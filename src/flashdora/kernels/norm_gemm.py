@@ -126,9 +126,10 @@ def _cross_term(w_rows: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, in
 def _faster_transposed(w_rows, a, key) -> bool:
     """Times both layouts on the GPU (a few calls each, once per shape) and files the choice; ``False`` elsewhere and
     while a CUDA graph is being captured (nothing may be timed then; the next eager call decides)."""
-    if not w_rows.is_cuda or torch.cuda.is_current_stream_capturing():
-        if not w_rows.is_cuda:
-            _TRANSPOSED[key] = False
+    if not w_rows.is_cuda:
+        _TRANSPOSED[key] = False
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     times = []
     for fn in (lambda: _mm_f32(w_rows, a.T), lambda: _mm_f32(a, w_rows.T)):
