@@ -42,7 +42,7 @@ def profile(model, phase):
         torch.cuda.synchronize()
     prof.disable()
     out = {}
-    for (file, line, fn), (cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
+    for (file, line, fn), (_cc, nc, tt, _ct, _) in pstats.Stats(prof).stats.items():
         label = fn if file == "~" else f"{file.split('site-packages/')[-1].split('/src/')[-1]}:{line}({fn})"
         calls, own = out.get(label, (0, 0.0))
         out[label] = (calls + nc / args.steps, own + tt / args.steps * 1e6)

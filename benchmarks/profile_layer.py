@@ -27,7 +27,7 @@ dy = torch.randn(tokens, d_out, device="cuda", dtype=torch.bfloat16)
 for name, model in (("peft_lora", layer(False)), ("flashdora", flashdora.enable(layer(True)))):
     params = [p for p in model.parameters() if p.requires_grad]
 
-    def step():
+    def step(model=model, params=params):
         torch.autograd.graph.increment_version(params)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = model(x)

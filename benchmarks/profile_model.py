@@ -6,6 +6,11 @@ For PEFT LoRA and flashdora on a few decoder layers of a preset (default llama3-
 - the kernels with the most GPU time (torch.profiler), and the sum of all kernel time per step;
 - cProfile of flashdora's steps (Python functions by own time).
 
+Read each mode's profile on its own, not the wall or host ratio between modes: flashdora is timed after LoRA's
+profile has run in the same process, and a process that has run torch.profiler issues work more slowly afterwards
+(18-72% in the twelfth session, docs/decisions.md). For ratios: ``benchmarks/accum_profile.py`` or ``flashdora
+bench model``.
+
 Usage: PYTHONPATH=src python3 benchmarks/profile_model.py [--layers 4] [--phases inference grad]
 """
 
