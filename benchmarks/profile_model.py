@@ -6,10 +6,9 @@ For PEFT LoRA and flashdora on a few decoder layers of a preset (default llama3-
 - the kernels with the most GPU time (torch.profiler), and the sum of all kernel time per step;
 - cProfile of flashdora's steps (Python functions by own time).
 
-Read each mode's profile on its own, not the wall or host ratio between modes: flashdora is timed after LoRA's
-profile has run in the same process, and a process that has run torch.profiler issues work more slowly afterwards
-(18-72% in the twelfth session, docs/decisions.md). For ratios: ``benchmarks/accum_profile.py`` or ``flashdora
-bench model``.
+Both modes' wall and host times are taken before either is profiled: a process that has run torch.profiler issues
+work more slowly afterwards (18-72% in the twelfth session, docs/decisions.md). One process, one round each: for
+ratios to report, ``benchmarks/accum_profile.py --rounds N`` or ``flashdora bench model --rounds N``.
 
 Usage: PYTHONPATH=src python3 benchmarks/profile_model.py [--layers 4] [--phases inference grad]
 """
@@ -87,17 +86,37 @@ def sync_sites(step, label):
         print(stack)
 
 
-for use_dora, mode in ((False, "peft_lora"), (True, "flashdora")):
+MODES = ((False, "peft_lora"), (True, "flashdora"))
+
+
+def built(use_dora):
     model = bm.wrap(base, args, use_dora)
-    if use_dora:
-        flashdora.enable(model)
+    return flashdora.enable(model) if use_dora else model
+
+
+# Every mode is timed before any is profiled: a process that has run torch.profiler issues work more slowly
+# afterwards (docs/decisions.md, twelfth session), which would weigh on whichever mode came second.
+timed = {}
+for use_dora, mode in MODES:
+    model = built(use_dora)
     for phase in args.phases:
         step = bm.step_fn(model, ids, phase, args)
         for _ in range(3):
             step()
         flashdora.reset_stats()
-        host, wall = timing.host_and_wall(step, 10, device)
-        print(f"    stats over 10 steps: {flashdora.stats()}")
+        timed[(mode, phase)] = (*timing.host_and_wall(step, 10, device), flashdora.stats())
+    base = model.unload()
+    del model
+    torch.cuda.empty_cache()
+
+for use_dora, mode in MODES:
+    model = built(use_dora)
+    for phase in args.phases:
+        step = bm.step_fn(model, ids, phase, args)
+        for _ in range(3):
+            step()
+        host, wall, stats = timed[(mode, phase)]
+        print(f"    stats over 10 steps: {stats}")
         gpu = kernel_table(step, f"{name} {mode} {phase}")
         print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
         if args.cpu_ops:
