@@ -89,53 +89,50 @@ def sync_sites(step, label):
 MODES = ((False, "peft_lora"), (True, "flashdora"))
 
 
-def built(use_dora):
-    model = bm.wrap(base, args, use_dora)
-    return flashdora.enable(model) if use_dora else model
+def warm_steps():
+    """``(mode, phase, step)`` for every mode and phase, each step run 3 times first; each mode's model is built on
+    ``base`` before its phases and unloaded back to it after."""
+    global base
+    for use_dora, mode in MODES:
+        model = bm.wrap(base, args, use_dora)
+        if use_dora:
+            flashdora.enable(model)
+        for phase in args.phases:
+            step = bm.step_fn(model, ids, phase, args)
+            for _ in range(3):
+                step()
+            yield mode, phase, step
+        base = model.unload()
+        del model, step
+        torch.cuda.empty_cache()
 
 
 # Every mode is timed before any is profiled: a process that has run torch.profiler issues work more slowly
 # afterwards (docs/decisions.md, twelfth session), which would weigh on whichever mode came second.
 timed = {}
-for use_dora, mode in MODES:
-    model = built(use_dora)
-    for phase in args.phases:
-        step = bm.step_fn(model, ids, phase, args)
-        for _ in range(3):
-            step()
-        flashdora.reset_stats()
-        timed[(mode, phase)] = (*timing.host_and_wall(step, 10, device), flashdora.stats())
-    base = model.unload()
-    del model
-    torch.cuda.empty_cache()
+for mode, phase, step in warm_steps():
+    flashdora.reset_stats()
+    timed[(mode, phase)] = (*timing.host_and_wall(step, 10, device), flashdora.stats())
 
-for use_dora, mode in MODES:
-    model = built(use_dora)
-    for phase in args.phases:
-        step = bm.step_fn(model, ids, phase, args)
-        for _ in range(3):
+for mode, phase, step in warm_steps():
+    host, wall, stats = timed[(mode, phase)]
+    print(f"    stats over 10 steps: {stats}")
+    gpu = kernel_table(step, f"{name} {mode} {phase}")
+    print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
+    if args.cpu_ops:
+        cpu_table(step, f"{name} {mode} {phase}")
+    if args.sync_debug:
+        sync_sites(step, f"{name} {mode} {phase}")
+    if args.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
             step()
-        host, wall, stats = timed[(mode, phase)]
-        print(f"    stats over 10 steps: {stats}")
-        gpu = kernel_table(step, f"{name} {mode} {phase}")
-        print(f"=== {name} {mode} {phase}: wall {wall:.2f} ms, host issue {host:.2f} ms, GPU kernels {gpu:.2f} ms")
-        if args.cpu_ops:
-            cpu_table(step, f"{name} {mode} {phase}")
-        if args.sync_debug:
-            sync_sites(step, f"{name} {mode} {phase}")
-        if args.cprofile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
-            prof.disable()
-            stats = pstats.Stats(prof)
-            print(f"--- {name} {mode} {phase}: Python calls per step {stats.total_calls / 5:.0f}")
-            stats.sort_stats("tottime").print_stats(args.top * 2)
-    base = model.unload()
-    del model
-    torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        prof.disable()
+        stats = pstats.Stats(prof)
+        print(f"--- {name} {mode} {phase}: Python calls per step {stats.total_calls / 5:.0f}")
+        stats.sort_stats("tottime").print_stats(args.top * 2)
 
 # Per-call host cost of a tiny launch: a torch op, and a Triton JIT launch.
 import triton  # noqa: E402
