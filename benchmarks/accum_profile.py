@@ -12,12 +12,13 @@ Runs: ``peft_lora`` or ``flashdora``, each optionally with environment settings 
 ``--cpu-ops`` adds the host's ops of one step by self time (torch.profiler).
 
 Usage: PYTHONPATH=src python3 benchmarks/accum_profile.py [--layers N] [--grad-accum 4] [--turns 4] [--rounds 2]
-  [--runs RUN ...] [--profile [--cpu-ops] [--cprofile DIR] [--trace DIR]]
+  [--runs RUN ...] [--raw] [--profile [--cpu-ops] [--cprofile DIR] [--trace DIR]]
 """
 
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import statistics
 import sys
@@ -43,6 +44,9 @@ p.add_argument(
     "--trace", default=None, help="with --profile, a folder: one micro-batch of each run (norm cached), RUN.json.gz"
 )
 p.add_argument("--top", type=int, default=12)
+p.add_argument(
+    "--raw", action="store_true", help="print every timed step: each micro-batch's GPU ms and the step's GC pauses"
+)
 args = p.parse_args()
 device = torch.device("cuda")
 print(
@@ -52,6 +56,29 @@ print(
 name, config = bm.build_config(args)
 ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 base = bm.build_base(config, args, device)
+
+
+_gc = {"t0": 0.0, "ms": [0.0, 0.0, 0.0], "n": [0, 0, 0]}
+
+
+def _gc_timer(phase, info):
+    """``gc.callbacks`` hook: time spent in each generation's collections, summed until ``gc_taken`` reads it."""
+    if phase == "start":
+        _gc["t0"] = time.perf_counter()
+    else:
+        g = info["generation"]
+        _gc["ms"][g] += (time.perf_counter() - _gc["t0"]) * 1e3
+        _gc["n"][g] += 1
+
+
+def gc_taken():
+    """``(ms, count)`` per generation since the last call."""
+    out = [(round(ms, 1), n) for ms, n in zip(_gc["ms"], _gc["n"])]
+    _gc["ms"], _gc["n"] = [0.0, 0.0, 0.0], [0, 0, 0]
+    return out
+
+
+gc.callbacks.append(_gc_timer)
 
 
 @contextlib.contextmanager
@@ -106,13 +133,14 @@ def unbuilt(model):
     return out
 
 
-def timed(model, params, per_mb, steps):
+def timed(model, params, per_mb, steps, run):
     """Two warm-up steps, then ``--turns`` timed ones appended to ``per_mb`` and ``steps``."""
     for _ in range(2):
         step(model, params, [])
     for _ in range(args.turns):
         rec = []
         torch.cuda.synchronize()
+        gc_taken()
         s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s0.record()
         h0 = time.perf_counter()
@@ -123,6 +151,10 @@ def timed(model, params, per_mb, steps):
         steps.append((s0.elapsed_time(s1), host))
         for i, (ev, hf, hb) in enumerate(rec):
             per_mb[i].append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), hf, hb))
+        if args.raw:
+            mbs = " ".join(f"{ev[0].elapsed_time(ev[1]):.0f}+{ev[1].elapsed_time(ev[2]):.0f}" for ev, _, _ in rec)
+            gcs = gc_taken()
+            print(f"   {run}: step {steps[-1][0]:.0f} ms; micro-batches fwd+bwd {mbs}; GC (ms, n) per gen {gcs}")
 
 
 def profiled(model, params, run):
@@ -174,7 +206,7 @@ for _ in range(args.rounds):
         with env(run):
             model, params = built(run)
             flashdora.reset_stats()
-            timed(model, params, per_mb[run], steps[run])
+            timed(model, params, per_mb[run], steps[run], run)
             stats[run] = flashdora.stats()
             base = unbuilt(model)
             del model, params
