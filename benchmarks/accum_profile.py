@@ -4,7 +4,8 @@ On llama3-8b (r = 384, 2048 tokens, autocast, checkpointing) flashdora's single 
 accumulation-4 step ran 1.10x, 467 ms a micro-batch against 408 for a whole step with the norm (e042ba2, one run).
 This times each micro-batch of a step apart: CUDA events around its forward and its backward (GPU time, launch gaps
 included) and the host's time to issue each. Runs alternate over ``--rounds`` (each round builds each run's model
-anew), so that a host that drifts weighs on each alike; ``--profile`` then adds each run's kernel time per step.
+anew, every second round in reverse order), so that a host that drifts weighs on each alike; ``--profile`` then
+adds each run's kernel time per step.
 
 Runs: ``peft_lora`` or ``flashdora``, each optionally with environment settings for its run, e.g.
 ``flashdora:FLASHDORA_NORM_CACHE=0`` (the norm in every forward) or
@@ -201,8 +202,8 @@ def profiled(model, params, run):
 per_mb = {run: [[] for _ in range(args.grad_accum)] for run in args.runs}
 steps = {run: [] for run in args.runs}
 stats = {}
-for _ in range(args.rounds):
-    for run in args.runs:
+for k in range(args.rounds):
+    for run in args.runs if k % 2 == 0 else args.runs[::-1]:  # every second round reversed: no run always second
         with env(run):
             model, params = built(run)
             flashdora.reset_stats()

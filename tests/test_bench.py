@@ -91,15 +91,24 @@ def test_model_files_and_schema(tmp_path):
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
 
 
-def test_model_rounds_pool_every_rounds_steps(tmp_path):
+def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):
+    order = []
+    measure = model.measure_mode
+
+    def logged(target, mode, *args):
+        order.append(mode)
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", logged)
     argv = ["model", "--preset", "tiny", "--seq", "8", "--modes", "peft_lora", "flashdora", "--phases", "inference"]
-    result, files = run_bench(tmp_path, *argv, "--reps", "3", "--warmup", "0", "--rounds", "2")
-    assert result["protocol"]["rounds"] == 2
+    result, files = run_bench(tmp_path, *argv, "--reps", "3", "--warmup", "0", "--rounds", "3")
+    assert order == ["peft_lora", "flashdora", "flashdora", "peft_lora", "peft_lora", "flashdora"]  # alternating
+    assert result["protocol"]["rounds"] == 3 and result["protocol"]["order"].startswith("alternating")
     assert [r["mode"] for r in result["records"]] == ["peft_lora", "flashdora"]
     for r in result["records"]:
-        assert len(r["times_ms"]) == 6 and len(r["round_ms"]) == 2, r
+        assert len(r["times_ms"]) == 9 and len(r["round_ms"]) == 3, r
         assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
-        assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 2
+        assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 3
     assert "each round's median ms" in files[".md"].read_text()
 
 

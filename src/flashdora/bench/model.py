@@ -105,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="repeat the whole sequence of modes this many times and pool each row's timed steps, so that a host "
-        "that speeds up or slows down during the run weighs on every mode alike (eager only)",
+        help="repeat the whole sequence of modes this many times, every second round in reverse order, and pool "
+        "each row's timed steps, so that a host that speeds up or slows down during the run, or a position in the "
+        "order, weighs on every mode alike (eager only)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad step")
@@ -226,13 +227,18 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
     return rows
 
 
-def run_round(model, ids, args, device, base_row, bar, task, label, build_s):
-    """Every mode once on ``model`` (wrapped, timed, unloaded): ``(the unwrapped model, rows)``."""
+def run_round(model, ids, args, device, base_row, bar, task, label, build_s, reverse=False):
+    """Every mode once on ``model`` (wrapped, timed, unloaded): ``(the unwrapped model, rows)``.
+
+    ``reverse``: the wrapped modes in the opposite order (DoRA's last first, LoRA last), so that rounds alternate
+    the order and no mode always runs in the same position after the others (``base`` always runs first)."""
     rows = []
     if "base" in args.modes:
         rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
-    dora_modes = ["peft_dora", "flashdora", "flashdora_nocache"]
-    for use_dora, modes in ((False, ["peft_lora"]), (True, dora_modes)):
+    groups = [(False, ["peft_lora"]), (True, ["peft_dora", "flashdora", "flashdora_nocache"])]
+    if reverse:
+        groups = [(use_dora, modes[::-1]) for use_dora, modes in groups[::-1]]
+    for use_dora, modes in groups:
         modes = [m for m in modes if m in args.modes]
         if not modes:
             continue
@@ -257,8 +263,12 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
     round's median in ``round_ms``, the largest peak; a row that failed in any round keeps that round's error."""
     if len(rounds) == 1:
         return rounds[0]
+    by_key = {}
+    for rows in rounds:  # (rounds alternate the modes' order: rows meet by mode and phase, in the first's order)
+        for r in rows:
+            by_key.setdefault((r["mode"], r["phase"]), []).append(r)
     pooled = []
-    for same in zip(*rounds, strict=True):
+    for same in by_key.values():
         row = dict(same[0])
         failed = [r for r in same if r.get("ms") is None]
         if failed:
@@ -292,6 +302,7 @@ def run(args) -> int:
         "reps": args.reps,
         "rounds": args.rounds,
         "statistic": "median" if args.rounds == 1 else "median of all rounds' timed steps (round_ms: each round's)",
+        "order": "as listed" if args.rounds == 1 else "alternating: every second round runs the modes reversed",
         "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
         "memory": "max_memory_allocated over the timed steps minus memory_allocated before them (GiB)",
         "dtype": args.dtype,
@@ -338,7 +349,7 @@ def run(args) -> int:
         build_s["base"] = time.perf_counter() - t0
         for k in range(args.rounds):
             label = name + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
-            model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s)
+            model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s, reverse=k % 2 == 1)
             records.append(rows)
     records = pool_rounds(records)
     result["build_s"] = build_s
