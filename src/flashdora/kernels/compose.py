@@ -320,3 +320,36 @@ def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]
     like = scales.new_empty(1).expand(_cdiv(t, rows) if t > 0 else 0, n)
     hit = _BWD_SPLIT[key] = (rows, like)
     return hit
+
+
+_BWD_PLANS: dict[tuple, tuple] = {}
+
+
+def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor) -> tuple | None:
+    """How ``flashdora.native``'s backward node launches ``compose_bwd`` on ``t`` x ``n`` ``dtype`` gradients:
+    ``(CUfunction, warps, shared bytes, BLOCK_N, n_split, rows_per_prog, parameter types, kept arguments)``, or
+    ``None`` until ``compose_bwd`` has compiled that kernel (its first call tunes and compiles it through Triton).
+
+    The node passes ``dy`` contiguous and 16-byte aligned, ``inner`` and the outputs fresh (aligned) and no dropout's
+    ``lx_base``: the plan is the kernel ``compose_bwd`` compiled for such a call."""
+    key = (t, n, dtype, scales.dtype, scales.stride(0), scales.data_ptr() & 15, scales.device)
+    plan = _BWD_PLANS.get(key)
+    if plan is not None:
+        return plan
+    tuned_key = (id(_compose_bwd_kernel), (n, dtype, dtype, scales.dtype))
+    tuned = configs._TUNED.get(tuned_key)
+    if tuned is None or t == 0 or n == 0:
+        return None
+    config, n_tensors = tuned
+    rows, like = _bwd_split(t, n, scales)
+    part = like.new_empty(1)  # an aligned stand-in for each tensor the node allocates or aligns
+    args = (part, part, scales, part, part, part, t, n, rows, 1.0, n, n, n, n, scales.stride(0))
+    flags = (True, False, configs.INTERPRETED)  # compose_bwd's HAS_INNER, HAS_LX_BASE, EMULATE_RNE
+    spec = configs._launch_specialization(args, n_tensors)
+    hit = configs._COMPILED.get((tuned_key, scales.get_device(), flags, (), spec))
+    if hit is None or hit[0] is not None:  # not compiled yet, or not a kernel torch's launcher can take
+        return None
+    _, _, function, warps, shared, types, _, keep = hit[:8]
+    keep = list(range(len(args))) if keep is None else list(keep)
+    plan = _BWD_PLANS[key] = (function, warps, shared, config["BLOCK_N"], like.shape[0], rows, types, keep)
+    return plan

@@ -236,7 +236,49 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
         return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, backend.use_triton(result))[0]
     if torch._C._are_functorch_transforms_active():
         return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+    if lx_base is None and result.is_cuda and magnitude.requires_grad:
+        y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd)
+        if y is not None:
+            return y
     return _APPLY(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+
+
+_native = None  # flashdora.native's extension once loaded; False where it is off or failed to build
+
+
+def _native_on() -> bool:
+    from flashdora.native import enabled
+
+    return enabled()
+
+
+def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
+    """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
+    does not apply: no Triton, no built extension, a trainable bias, or a backward kernel not compiled yet (the
+    Python path's first backward compiles it)."""
+    global _native
+    if _native is None:
+        from flashdora import native
+
+        _native = native.module() or False
+    if _native is False or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
+        return None
+    if not _native_on():  # (FLASHDORA_NATIVE=0 set after the build)
+        return None
+    kc = _kc or _import_kernels()
+    n = result.shape[-1]
+    plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales)
+    if plan is None:
+        return None
+    backend.count("triton")
+    b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
+    y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, None, save_inner=True)
+    key = (a.dtype, a.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = a.new_zeros(())
+    _native.attach(y, result, a, lora_B, magnitude, inner, scales, zero, float(scaling), *plan)
+    return y
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:

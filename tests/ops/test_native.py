@@ -1,0 +1,105 @@
+"""``flashdora.native``: the compose's backward as a C++ autograd node, against the Python ``ComposeFunction``.
+
+On the CPU the node's ATen twin (``attach_eager``) checks the wiring: edges, saved tensors, dtype casts by the engine,
+the checks; on the GPU the real node (the compiled Triton kernel launched from C++) must give the Python path's bits.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashdora import native
+from flashdora.ops import compose as C
+from flashdora.ops.norm import _fresh
+
+
+@pytest.fixture(scope="module")
+def ext():
+    native.reset()
+    mod = native.module()
+    if mod is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    return mod
+
+
+def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
+    x = torch.randn(2, t, d_in, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5
+    lora_A = torch.randn(r, d_in, device=device, dtype=adapter_dtype, requires_grad=True)
+    lora_B = torch.randn(d_out, r, device=device, dtype=adapter_dtype, requires_grad=True)
+    mag = (torch.rand(d_out, device=device, dtype=adapter_dtype) + 0.5).requires_grad_()
+    return x, w, lora_A, lora_B, mag
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cpu_node_matches_python_function(ext, dtype):
+    adapter = torch.float64 if dtype == torch.float64 else torch.float32
+    x, w, lora_A, lora_B, mag = _layer("cpu", dtype, adapter)
+    s = 0.5
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
+    dy = torch.randn(2, 7, 40, dtype=dtype)
+    grads = []
+    for use_node in (False, True):
+        result = F.linear(x, w)
+        a = F.linear(x, lora_A.to(dtype))
+        if use_node:
+            with torch.no_grad():
+                y, inner = C._fwd(result, a, None, None, lora_B, scales, s, dtype, True, False)
+            ext.attach_eager(y, result, a, lora_B, mag, inner, scales, s)
+            assert y.grad_fn.name() == "FlashDoraComposeBackward"
+        else:
+            y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, s, dtype)
+        grads.append((y.detach(), *torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)))
+    for want, got in zip(*grads):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same math, op for op
+
+
+def test_cpu_node_checks(ext):
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+
+    def forward():
+        result, a = F.linear(x, w), F.linear(x, lora_A)
+        with torch.no_grad():
+            y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
+        ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 1.0)
+        return y
+
+    y = forward()
+    with torch.no_grad():
+        lora_B.add_(1.0)
+    with pytest.raises(RuntimeError, match="lora_B was modified by an inplace operation"):
+        y.sum().backward()
+    y = forward()
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        y.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "d_in", "d_out", "r", "scaling"), [(37, 96, 1000, 16, 0.5), (2048, 512, 4096, 384, 1.0)])
+def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, r, scaling):
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, t, d_in, d_out, r)
+    with torch.no_grad():
+        mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            result = F.linear(x, w)
+            y = C.compose_eager(result, x, lora_A, lora_B, mag, scales, scaling)
+        torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
+        return y.grad_fn.name(), y.detach(), torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+
+    monkeypatch.setattr(C, "_native", False)
+    name, y_py, g_py = run()  # also compiles the backward kernel
+    assert "FlashDoraComposeBackward" not in name
+    monkeypatch.setattr(C, "_native", ext)
+    name, y_nat, g_nat = run()
+    assert name == "FlashDoraComposeBackward"
+    torch.testing.assert_close(y_nat, y_py, rtol=0, atol=0)
+    for got, want in zip(g_nat, g_py, strict=True):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
