@@ -78,7 +78,9 @@ def test_cpu_node_checks(ext):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("t", "d_in", "d_out", "r", "scaling"), [(37, 96, 1000, 16, 0.5), (2048, 512, 4096, 384, 1.0)])
+@pytest.mark.parametrize(
+    ("t", "d_in", "d_out", "r", "scaling"), [(37, 96, 1000, 16, 0.5), (2048, 512, 4096, 384, 1.0)]
+)
 def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, r, scaling):
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, t, d_in, d_out, r)
     with torch.no_grad():
