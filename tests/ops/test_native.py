@@ -96,7 +96,8 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
         return y.grad_fn.name(), y.detach(), torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
 
     monkeypatch.setattr(C, "_native", False)
-    name, y_py, g_py = run()  # also compiles the backward kernel
+    run()  # tunes the backward kernel
+    name, y_py, g_py = run()  # compiles it for the direct launch: the plan the node takes
     assert "FlashDoraComposeBackward" not in name
     monkeypatch.setattr(C, "_native", ext)
     name, y_nat, g_nat = run()

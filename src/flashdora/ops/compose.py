@@ -271,6 +271,7 @@ def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     if plan is None:
         return None
     backend.count("triton")
+    backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
     y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, None, save_inner=True)
     key = (a.dtype, a.device)
