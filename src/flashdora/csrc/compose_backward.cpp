@@ -15,6 +15,10 @@
 #include <torch/extension.h>
 
 #include <dlfcn.h>
+#include <execinfo.h>
+#include <csignal>
+#include <cstdlib>
+#include <unistd.h>
 
 #include <cstring>
 #include <memory>
@@ -230,6 +234,19 @@ void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, c
   node->alpha_ = alpha;
   torch::autograd::set_history(y, node);
 }
+
+void on_segv(int) {
+  void* frames[64];
+  int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  _exit(139);
+}
+
+struct DebugHandler {
+  DebugHandler() {
+    if (std::getenv("FLASHDORA_NATIVE_DEBUG") != nullptr) std::signal(SIGSEGV, on_segv);
+  }
+} debug_handler;
 
 }  // namespace
 
