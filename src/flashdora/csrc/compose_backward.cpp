@@ -7,6 +7,10 @@
 // The forward stays Python (the fused forward kernel); `attach` hangs this node on its output.
 //
 // Math (docs/math.md): gdy = g dy; dm = sum_tokens dy * inner / norm; dB = s gdy^T a; da = s gdy B.
+//
+// Error messages are built with std::to_string, never by streaming numbers: with the device machines' g++ 13 and
+// torch 2.11, streaming an integer into TORCH_CHECK's message crashed in the extension's own copy of
+// std::ostream::_M_insert (a segfault where the Python path raises).
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
@@ -15,10 +19,6 @@
 #include <torch/extension.h>
 
 #include <dlfcn.h>
-#include <execinfo.h>
-#include <csignal>
-#include <cstdlib>
-#include <unistd.h>
 
 #include <cstring>
 #include <memory>
@@ -97,14 +97,14 @@ void launch(const Plan& plan, const std::vector<Arg>& args, void* stream) {
       float v = static_cast<float>(a.kind == 'f' ? a.f : static_cast<double>(a.i));
       std::memcpy(slot, &v, sizeof(v));
     } else {
-      TORCH_CHECK(false, "flashdora.native: unsupported kernel parameter type ", ty);
+      TORCH_CHECK(false, "flashdora.native: unsupported kernel parameter type " + std::string(1, ty));
     }
   }
   int rc = fn(reinterpret_cast<void*>(plan.function), static_cast<unsigned>(plan.n_split),
               static_cast<unsigned>((args[7].i + plan.block_n - 1) / plan.block_n), 1,
               static_cast<unsigned>(32 * plan.warps), 1, 1, static_cast<unsigned>(plan.shared),
               stream, params.data(), nullptr);
-  TORCH_CHECK(rc == 0, "flashdora.native: cuLaunchKernel failed with CUresult ", rc);
+  TORCH_CHECK(rc == 0, "flashdora.native: cuLaunchKernel failed with CUresult " + std::to_string(rc));
 }
 
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
@@ -137,8 +137,9 @@ struct ComposeBackward : public Node {
                 "flashdora: trying to backward through the compose a second time after its buffers were freed "
                 "(specify retain_graph=True)");
     TORCH_CHECK(lora_B_._version() == b_version_,
-                "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
-                "(version ", b_version_, " -> ", lora_B_._version(), "); the backward needs the values the forward used");
+                "flashdora: lora_B was modified by an inplace operation between the forward and the backward (version " +
+                    std::to_string(b_version_) + " -> " + std::to_string(lora_B_._version()) +
+                    "); the backward needs the values the forward used");
     auto self = getptr();
     return {a_.unpack(self), inner_.unpack(self)};
   }
@@ -234,19 +235,6 @@ void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, c
   node->alpha_ = alpha;
   torch::autograd::set_history(y, node);
 }
-
-void on_segv(int) {
-  void* frames[64];
-  int n = backtrace(frames, 64);
-  backtrace_symbols_fd(frames, n, 2);
-  _exit(139);
-}
-
-struct DebugHandler {
-  DebugHandler() {
-    if (std::getenv("FLASHDORA_NATIVE_DEBUG") != nullptr) std::signal(SIGSEGV, on_segv);
-  }
-} debug_handler;
 
 }  // namespace
 
