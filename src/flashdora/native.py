@@ -8,8 +8,9 @@ comes from ``kernels.compose.bwd_plan``), then the magnitude gradient's second s
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler, as Triton's own launcher needs one; no CUDA toolkit:
 the node finds ``cuLaunchKernel`` in the driver torch loaded) on the first training forward of a CUDA layer, into
-torch's extension cache, once per machine and torch version. ``FLASHDORA_NATIVE=0`` skips it; a build that fails
-warns once and leaves the Python backward.
+torch's extension cache, once per machine and torch version. It is opt-in (``FLASHDORA_NATIVE=1``): it gives the
+Python path's bits, but a model's accumulation step showed no gain beyond the device machines' noise yet
+(docs/benchmarks.md, thirteenth session). A build that fails warns once and leaves the Python backward.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ _tried = False
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default on); ``0``, ``false``, ``off`` or ``no`` keeps the Python backward."""
-    from flashdora.ops.norm import _switch_on
-
-    return _switch_on("FLASHDORA_NATIVE")
+    """``FLASHDORA_NATIVE`` (default off, docs/decisions.md): ``1``, ``true``, ``on`` or ``yes`` builds and takes the
+    node. Set it before the first training forward: a process that ran one without it keeps the Python backward."""
+    raw = backend.env_raw("FLASHDORA_NATIVE")
+    return raw is not None and backend.env_str(raw).strip().lower() in ("1", "true", "on", "yes")
 
 
 def module():

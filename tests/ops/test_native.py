@@ -15,11 +15,32 @@ from flashdora.ops.norm import _fresh
 
 @pytest.fixture(scope="module")
 def ext():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHDORA_NATIVE", "1")
+        native.reset()
+        mod = native.module()
     native.reset()
-    mod = native.module()
     if mod is None:
         pytest.skip("the C++ extension cannot be built here (no compiler?)")
     return mod
+
+
+def test_off_by_default_and_a_failed_build_warns(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    def broken(**kwargs):
+        raise RuntimeError("no compiler\nError building extension 'x'")
+
+    monkeypatch.setattr(cpp, "load", broken)
+    monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
+    native.reset()
+    assert not native.enabled() and native.module() is None  # off: never tries to build
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    native.reset()
+    monkeypatch.setattr("flashdora.backend._warned", set())
+    with pytest.warns(UserWarning, match="could not be built .*Error building extension"):
+        assert native.module() is None
+    native.reset()
 
 
 def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
@@ -100,6 +121,7 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     name, y_py, g_py = run()  # compiles it for the direct launch: the plan the node takes
     assert "FlashDoraComposeBackward" not in name
     monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     name, y_nat, g_nat = run()
     assert name == "FlashDoraComposeBackward"
     torch.testing.assert_close(y_nat, y_py, rtol=0, atol=0)
