@@ -184,20 +184,28 @@ struct ComposeBackward : public Node {
   }
 };
 
-// Hang a ComposeBackward on `y` (fresh, from the fused forward kernel): its inputs are result, a, lora_B, magnitude.
-void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, const at::Tensor& zero,
-            double alpha, int64_t function, int64_t warps, int64_t shared, int64_t block_n,
-            int64_t n_split, int64_t rows, std::string types, std::vector<int64_t> keep) {
-  auto node = make_node<ComposeBackward>();
+// A node of type T with the edges and saved state both node types share (set_history hangs it on y).
+template <typename T>
+auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
+              const at::Tensor& inner, const at::Tensor& scales, double alpha) {
+  auto node = make_node<T>();
   node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
   node->a_ = SavedVariable(a, false);
   node->inner_ = SavedVariable(inner, false);
   node->lora_B_ = lora_B;
   node->b_version_ = lora_B._version();
   node->scales_ = scales;
-  node->zero_ = zero;
   node->alpha_ = alpha;
+  return node;
+}
+
+// Hang a ComposeBackward on `y` (fresh, from the fused forward kernel): its inputs are result, a, lora_B, magnitude.
+void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
+            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, const at::Tensor& zero,
+            double alpha, int64_t function, int64_t warps, int64_t shared, int64_t block_n,
+            int64_t n_split, int64_t rows, std::string types, std::vector<int64_t> keep) {
+  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha);
+  node->zero_ = zero;
   node->plan_ = Plan{function, warps, shared, block_n, n_split, rows, std::move(types), std::move(keep)};
   torch::autograd::set_history(y, node);
 }
@@ -225,15 +233,7 @@ struct EagerComposeBackward : public ComposeBackward {
 
 void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
                   const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha) {
-  auto node = make_node<EagerComposeBackward>();
-  node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
-  node->a_ = SavedVariable(a, false);
-  node->inner_ = SavedVariable(inner, false);
-  node->lora_B_ = lora_B;
-  node->b_version_ = lora_B._version();
-  node->scales_ = scales;
-  node->alpha_ = alpha;
-  torch::autograd::set_history(y, node);
+  torch::autograd::set_history(y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha));
 }
 
 }  // namespace
