@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
+from one_layer import peft_layer
 
 import flashdora
 
@@ -35,11 +35,7 @@ d_in, d_out = (int(v) for v in args.shape.split("x"))
 
 
 def layer(use_dora):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, dtype=torch.bfloat16, device=dev))
-    cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, use_dora=use_dora, target_modules=["0"],
-                     init_lora_weights=False)  # fmt: skip
-    return get_peft_model(net, cfg)
+    return peft_layer(d_in, d_out, args.rank, use_dora, dev)
 
 
 class PyLinear(torch.autograd.Function):

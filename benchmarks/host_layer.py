@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from peft import LoraConfig, get_peft_model
+from one_layer import peft_layer
 
 import flashdora
 
@@ -32,11 +32,7 @@ d_in, d_out = (int(v) for v in args.shape.split("x"))
 
 
 def layer(use_dora):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, dtype=torch.bfloat16, device=dev))
-    cfg = LoraConfig(r=args.rank, lora_alpha=args.rank, use_dora=use_dora, target_modules=["0"],
-                     init_lora_weights=False)  # fmt: skip
-    return get_peft_model(net, cfg)
+    return peft_layer(d_in, d_out, args.rank, use_dora, dev)
 
 
 x = torch.randn(args.tokens, d_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
