@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdora import _checks, backend
+from flashdora import _checks, backend, native
 from flashdora.ops.norm import dora_scales
 
 
@@ -246,24 +246,16 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
 _native = None  # flashdora.native's extension once loaded; False where it is off or failed to build
 
 
-def _native_on() -> bool:
-    from flashdora.native import enabled
-
-    return enabled()
-
-
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
     does not apply: no Triton, no built extension, a trainable bias, or a backward kernel not compiled yet (the
     Python path's first backward compiles it)."""
     global _native
     if _native is None:
-        from flashdora import native
-
         _native = native.module() or False
     if _native is False or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
         return None
-    if not _native_on():  # (FLASHDORA_NATIVE=0 set after the build)
+    if not native.enabled():  # (FLASHDORA_NATIVE=0 set after the build)
         return None
     kc = _kc or _import_kernels()
     n = result.shape[-1]
