@@ -4,9 +4,12 @@ At 16 tokens each kernel takes a few microseconds, so a loop of calls runs at th
 wall time per call is the host's cost, the quantity that decides the ratios of a host-bound model step (eighth
 session). Modes alternate for ``--turns`` turns; the median turn is printed per mode and phase:
 ``inference`` (no grad) and ``fwd_bwd`` (forward and backward, weights unchanged: the norm comes from the cache).
+``--step`` marks the trainable weights changed before each ``fwd_bwd`` call, as ``flashdora bench layer`` does (an
+optimizer step per call: flashdora recomputes its norm every call), and prints the host time flashdora spends in
+its norm lookup per call.
 
 Usage: PYTHONPATH=src python3 benchmarks/host_layer.py [--shape 4096x4096] [--rank 384] [--tokens 16] [--turns 5]
-[--calls 300] [--no-gc]
+[--calls 300] [--no-gc] [--step]
 """
 
 import argparse
@@ -18,6 +21,7 @@ import torch
 from one_layer import peft_layer
 
 import flashdora
+from flashdora.ops.norm import NormCache
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
@@ -26,6 +30,7 @@ p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--turns", type=int, default=5)
 p.add_argument("--calls", type=int, default=300)
 p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off while timing")
+p.add_argument("--step", action="store_true", help="fwd_bwd: mark the weights changed before each call")
 args = p.parse_args()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 d_in, d_out = (int(v) for v in args.shape.split("x"))
@@ -45,8 +50,27 @@ def sync():
         torch.cuda.synchronize()
 
 
+_lookup = NormCache.__dict__["lookup_owner"].__func__
+lookup_s = [0.0]
+
+
+def _timed_lookup(cls, *a):
+    t = time.perf_counter()
+    try:
+        return _lookup(cls, *a)
+    finally:
+        lookup_s[0] += time.perf_counter() - t
+
+
+NormCache.lookup_owner = classmethod(_timed_lookup)
+
+
 def per_call_us(model, phase, n):
+    params = [q for q in model.parameters() if q.requires_grad]
+
     def call():
+        if args.step and phase == "fwd_bwd":
+            torch.autograd.graph.increment_version(params)
         with torch.autocast(dev, dtype=torch.bfloat16):
             y = model(x)
         if phase == "fwd_bwd":
@@ -58,27 +82,32 @@ def per_call_us(model, phase, n):
         sync()
         if args.no_gc:
             gc.disable()
+        lookup_s[0] = 0.0
         t = time.perf_counter()
         for _ in range(n):
             call()
         sync()
         us = (time.perf_counter() - t) / n * 1e6
         gc.enable()
-    return us
+    return us, lookup_s[0] / n * 1e6
 
 
-times = {}
+times, lookups = {}, {}
 for _ in range(args.turns):
     for phase in ("inference", "fwd_bwd"):
         for name, model in models.items():
-            times.setdefault((phase, name), []).append(per_call_us(model, phase, args.calls))
+            us, lookup_us = per_call_us(model, phase, args.calls)
+            times.setdefault((phase, name), []).append(us)
+            lookups.setdefault((phase, name), []).append(lookup_us)
 device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
 gc_state = "off" if args.no_gc else "on"
-print(f"# host us per call, {args.shape} r={args.rank}, {args.tokens} tokens, {device}, gc {gc_state}")
+step = ", weights marked changed before each fwd_bwd call" if args.step else ""
+print(f"# host us per call, {args.shape} r={args.rank}, {args.tokens} tokens, {device}, gc {gc_state}{step}")
 for phase in ("inference", "fwd_bwd"):
     lora = statistics.median(times[(phase, "peft_lora")])
     for name in models:
         got = times[(phase, name)]
         med = statistics.median(got)
         spread = f"{min(got):.1f}-{max(got):.1f}"
-        print(f"{phase:9s} {name:10s} median {med:7.1f} us (turns {spread}), {med / lora:.2f}x LoRA")
+        norm = f", norm lookup {statistics.median(lookups[(phase, name)]):.1f} us" if name == "flashdora" else ""
+        print(f"{phase:9s} {name:10s} median {med:7.1f} us (turns {spread}), {med / lora:.2f}x LoRA{norm}")
