@@ -109,3 +109,15 @@ with torch.profiler.profile(
         lookup_miss()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+# The same misses by Python function (cProfile: its own overhead inflates every entry alike).
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(args.calls):
+    lookup_miss()
+prof.disable()
+torch.cuda.synchronize()
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
