@@ -32,7 +32,7 @@ def check_header(result: dict, bench: str, tmp_path) -> None:
     assert VERSION_KEYS <= set(result["versions"])
     assert result["torch"] == torch.__version__ and result["peft"] and result["transformers"]
     assert PROTOCOL_KEYS <= set(result["protocol"])
-    assert result["device"]["type"] == "cpu"
+    assert result["device"]["type"] == "cpu" and result["protocol"]["native_backward"] == "cpu"
     assert {"name", "capability", "memory_gib"} <= set(result["device"])
     assert (tmp_path / f"{result['timestamp'][:10]}_cpu_{bench}.json").exists()
 

@@ -6,15 +6,18 @@ per layer is several times what the same code costs in a loop (docs/benchmarks.m
 the same work in C++: it launches the compose-backward kernel the Python path compiled and tuned (its launch plan
 comes from ``kernels.compose.bwd_plan``), then the magnitude gradient's second stage and the two LoRA GEMMs.
 
-It is built with ``torch.utils.cpp_extension`` (a C++ compiler, as Triton's own launcher needs one; no CUDA toolkit:
-the node finds ``cuLaunchKernel`` in the driver torch loaded) on the first training forward of a CUDA layer, into
-torch's extension cache, once per machine and torch version. It is opt-in (``FLASHDORA_NATIVE=1``): it gives the
-Python path's bits, but a model's accumulation step showed no gain beyond the device machines' noise yet
-(docs/benchmarks.md, thirteenth session). A build that fails warns once and leaves the Python backward.
+It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
+no CUDA toolkit: the node finds ``cuLaunchKernel`` in the driver torch loaded) on the first training forward of a
+CUDA layer, into torch's extension cache, once per machine and torch version (about a minute; later processes load
+it in a second). It is on by default since the fourteenth session: the same bits as the Python path, and the layer
+benchmark's forward+backward within 1.10x LoRA at shapes where the Python backward missed it (docs/decisions.md).
+``FLASHDORA_NATIVE=0`` keeps the Python backward and never builds. A build that fails warns once (with the fix) and
+leaves the Python backward.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -29,15 +32,20 @@ _tried = False
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default off, docs/decisions.md): ``1``, ``true``, ``on`` or ``yes`` builds and takes the
-    node. Set it before the first training forward: a process that ran one without it keeps the Python backward."""
-    raw = backend.env_raw("FLASHDORA_NATIVE")
-    return raw is not None and backend.env_str(raw).strip().lower() in ("1", "true", "on", "yes")
+    """``FLASHDORA_NATIVE`` (default on, docs/decisions.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
+    backward and never builds the node. Read on every training forward, so it can be switched at any time."""
+    return _switch_value(backend.env_raw("FLASHDORA_NATIVE"))
+
+
+@functools.lru_cache(maxsize=16)
+def _switch_value(raw) -> bool:
+    return (backend.env_str(raw) or "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def module():
-    """The built extension, or ``None`` (switched off, or the build failed). The first call builds it."""
-    if not _tried:
+    """The built extension, or ``None`` (switched off, or the build failed). The first call while switched on builds
+    or loads it (blocking: every later step then runs the same code, which keeps runs and benchmarks steady)."""
+    if not _tried and enabled():
         _build()
     return _module
 
@@ -45,17 +53,24 @@ def module():
 def _build() -> None:
     global _module, _tried
     _tried = True
-    if not enabled():
-        return
     from torch.utils.cpp_extension import load
 
     name = "flashdora_native_" + re.sub(r"\W", "_", torch.__version__)  # (a build is tied to its torch's ABI)
-    print(f"flashdora: loading its C++ backward node ({name}; built once per machine)", file=sys.stderr)
+    print(
+        f"flashdora: loading its C++ backward node ({name}; built once per machine and torch version, about a minute; "
+        "FLASHDORA_NATIVE=0 skips it)",
+        file=sys.stderr,
+    )
     try:
         _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python backward still works
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        backend.warn_once("native", f"flashdora: the C++ backward node could not be built ({msg}); Python runs it")
+        backend.warn_once(
+            "native",
+            f"flashdora: the C++ backward node could not be built ({msg}); the Python backward runs instead (same "
+            "results, more host time a layer). It needs a C++ compiler and ninja (pip install ninja); "
+            "FLASHDORA_NATIVE=0 silences this",
+        )
 
 
 def reset() -> None:

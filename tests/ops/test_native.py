@@ -25,21 +25,26 @@ def ext():
     return mod
 
 
-def test_off_by_default_and_a_failed_build_warns(monkeypatch):
+def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
     import torch.utils.cpp_extension as cpp
 
+    calls = []
+
     def broken(**kwargs):
+        calls.append(kwargs["name"])
         raise RuntimeError("no compiler\nError building extension 'x'")
 
     monkeypatch.setattr(cpp, "load", broken)
-    monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
     native.reset()
-    assert not native.enabled() and native.module() is None  # off: never tries to build
-    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    assert not native.enabled() and native.module() is None and calls == []  # off: never tries to build
+    monkeypatch.delenv("FLASHDORA_NATIVE")  # default: on
     native.reset()
+    assert native.enabled()
     monkeypatch.setattr("flashdora.backend._warned", set())
-    with pytest.warns(UserWarning, match="could not be built .*Error building extension"):
+    with pytest.warns(UserWarning, match="could not be built .*Error building extension.*pip install ninja"):
         assert native.module() is None
+    assert native.module() is None and len(calls) == 1  # tried once per process
     native.reset()
 
 

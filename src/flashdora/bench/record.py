@@ -103,6 +103,7 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
     """
     commit, dirty = git_state()
     vers = versions()
+    native = native_backward(device)
     return {
         "bench": bench,
         "command": args.get("_argv") or command_line(),
@@ -121,9 +122,23 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
             "backend_env": os.environ.get("FLASHDORA_BACKEND", "auto"),
             # the CUDA caching allocator's settings move eager training steps by 20% or more (docs/benchmarks.md)
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
+            "native_backward": native,
             **protocol,
         },
     }
+
+
+def native_backward(device: torch.device | str) -> str:
+    """Whether flashdora's training steps here can take the C++ backward node (``flashdora.native``): ``on``,
+    ``off`` (``FLASHDORA_NATIVE=0``), ``unbuilt`` (its build failed) or ``cpu`` (it is CUDA-only). On CUDA the node
+    is built or loaded here, before any timing, so that a fresh machine's one-time build never lands in a row."""
+    from flashdora import native
+
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    if not native.enabled():
+        return "off"
+    return "on" if native.module() is not None else "unbuilt"
 
 
 def stem(result: dict) -> str:

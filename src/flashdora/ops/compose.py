@@ -243,19 +243,20 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
     return _APPLY(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
 
 
-_native = None  # flashdora.native's extension once loaded; False where it is off or failed to build
+_native = None  # flashdora.native's extension once loaded (on the first call switched on); False: its build failed
 
 
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
-    does not apply: no Triton, no built extension, a trainable bias, or a backward kernel not compiled yet (the
-    Python path's first backward compiles it)."""
+    does not apply: switched off, no Triton, no built extension, a trainable bias, or a backward kernel not compiled
+    yet (the Python path's first backward compiles it). The first call switched on builds or loads the node."""
     global _native
+    # (FLASHDORA_NATIVE is read on every call: it can be switched at any time)
+    if not native.enabled() or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
+        return None
     if _native is None:
         _native = native.module() or False
-    if _native is False or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
-        return None
-    if not native.enabled():  # (FLASHDORA_NATIVE=0 set after the build)
+    if _native is False:
         return None
     kc = _kc or _import_kernels()
     n = result.shape[-1]
