@@ -9,10 +9,10 @@ comes from ``kernels.compose.bwd_plan``), then the magnitude gradient's second s
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
 no CUDA toolkit: the node finds ``cuLaunchKernel`` in the driver torch loaded) on the first training forward of a
 CUDA layer, into torch's extension cache, once per machine and torch version (about a minute; later processes load
-it in a second). It is on by default since the fourteenth session: the same bits as the Python path, and the layer
-benchmark's forward+backward within 1.10x LoRA at shapes where the Python backward missed it (docs/decisions.md).
-``FLASHDORA_NATIVE=0`` keeps the Python backward and never builds. A build that fails warns once (with the fix) and
-leaves the Python backward.
+it in a second). It is opt-in (``FLASHDORA_NATIVE=1``): each node gives the Python path's bits, and it brought the
+layer benchmark's forward+backward within 1.10x LoRA where the Python backward missed it, but with it on a norm-cache
+property test of the GPU suite failed by one float32 ulp in two full-suite runs (docs/decisions.md, fourteenth
+session), which is not understood yet. A build that fails warns once (with the fix) and leaves the Python backward.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ _tried = False
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default on, docs/decisions.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
-    backward and never builds the node. Read on every training forward, so it can be switched at any time."""
+    """``FLASHDORA_NATIVE`` (default off, docs/decisions.md): ``1``, ``true``, ``on`` or ``yes`` builds and takes the
+    node. Read on every training forward, so it can be switched at any time."""
     return _switch_value(backend.env_raw("FLASHDORA_NATIVE"))
 
 
 @functools.lru_cache(maxsize=16)
 def _switch_value(raw) -> bool:
-    return (backend.env_str(raw) or "1").strip().lower() not in ("0", "false", "off", "no")
+    return (backend.env_str(raw) or "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def module():
@@ -57,8 +57,7 @@ def _build() -> None:
 
     name = "flashdora_native_" + re.sub(r"\W", "_", torch.__version__)  # (a build is tied to its torch's ABI)
     print(
-        f"flashdora: loading its C++ backward node ({name}; built once per machine and torch version, about a minute; "
-        "FLASHDORA_NATIVE=0 skips it)",
+        f"flashdora: loading its C++ backward node ({name}; built once per machine and torch version, about a minute)",
         file=sys.stderr,
     )
     try:
@@ -69,7 +68,7 @@ def _build() -> None:
             "native",
             f"flashdora: the C++ backward node could not be built ({msg}); the Python backward runs instead (same "
             "results, more host time a layer). It needs a C++ compiler and ninja (pip install ninja); "
-            "FLASHDORA_NATIVE=0 silences this",
+            "unset FLASHDORA_NATIVE to silence this",
         )
 
 
