@@ -19,16 +19,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from one_layer import peft_layer
+from one_layer import add_layer_arguments, peft_layer
 
 import flashdora
 
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
-p.add_argument("--rank", type=int, default=384)
-p.add_argument("--tokens", type=int, default=16)
-p.add_argument("--turns", type=int, default=5)
-p.add_argument("--calls", type=int, default=300)
+add_layer_arguments(p)
 args = p.parse_args()
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 d_in, d_out = (int(v) for v in args.shape.split("x"))

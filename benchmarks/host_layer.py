@@ -18,17 +18,13 @@ import statistics
 import time
 
 import torch
-from one_layer import peft_layer
+from one_layer import add_layer_arguments, peft_layer
 
 import flashdora
 from flashdora.ops.norm import NormCache
 
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
-p.add_argument("--rank", type=int, default=384)
-p.add_argument("--tokens", type=int, default=16)
-p.add_argument("--turns", type=int, default=5)
-p.add_argument("--calls", type=int, default=300)
+add_layer_arguments(p)
 p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off while timing")
 p.add_argument("--step", action="store_true", help="fwd_bwd: mark the weights changed before each call")
 args = p.parse_args()

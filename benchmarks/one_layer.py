@@ -5,6 +5,15 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 
+def add_layer_arguments(p) -> None:
+    """The options both scripts take: the layer's shape and rank, tokens per call, turns and calls per turn."""
+    p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
+    p.add_argument("--rank", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--calls", type=int, default=300)
+
+
 def peft_layer(d_in: int, d_out: int, rank: int, use_dora: bool, device):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, dtype=torch.bfloat16, device=device))
