@@ -43,6 +43,22 @@ def env_str(raw) -> str:
     return raw
 
 
+def switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: ``1``, ``true``, ``on`` or ``yes`` turn it on, ``0``, ``false``, ``off`` or
+    ``no`` off; unset or anything else gives ``default``. Cheap enough for the layer path (a lookup and a cache)."""
+    return _switch_value(env_raw(name), default)
+
+
+@functools.lru_cache(maxsize=32)
+def _switch_value(raw, default: bool) -> bool:
+    value = (env_str(raw) or "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    return default
+
+
 def requested_backend() -> str:
     """The backend named by ``FLASHDORA_BACKEND`` (default ``auto``); read on every call so tests can switch it."""
     return _parse_backend(env_raw("FLASHDORA_BACKEND"))

@@ -17,7 +17,6 @@ session), which is not understood yet. A build that fails warns once (with the f
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
 from pathlib import Path
@@ -34,12 +33,7 @@ _tried = False
 def enabled() -> bool:
     """``FLASHDORA_NATIVE`` (default off, docs/decisions.md): ``1``, ``true``, ``on`` or ``yes`` builds and takes the
     node. Read on every training forward, so it can be switched at any time."""
-    return _switch_value(backend.env_raw("FLASHDORA_NATIVE"))
-
-
-@functools.lru_cache(maxsize=16)
-def _switch_value(raw) -> bool:
-    return (backend.env_str(raw) or "0").strip().lower() in ("1", "true", "on", "yes")
+    return backend.switch("FLASHDORA_NATIVE", False)
 
 
 def module():

@@ -6,7 +6,6 @@ norm never depends on the input; see ``NormCache``), behind the custom op ``flas
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -151,12 +150,7 @@ def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) 
 
 def _switch_on(name: str) -> bool:
     """An on/off environment switch, on by default; ``0``, ``false``, ``off`` or ``no`` turns it off."""
-    return _switch_value(backend.env_raw(name))
-
-
-@functools.lru_cache(maxsize=16)
-def _switch_value(raw) -> bool:
-    return (backend.env_str(raw) or "1").strip().lower() not in ("0", "false", "off", "no")
+    return backend.switch(name, True)
 
 
 def cache_enabled() -> bool:
