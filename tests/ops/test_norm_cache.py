@@ -145,6 +145,44 @@ def _action(rng, model, opt, state):
     return name
 
 
+def _swap_in_at_the_same_address(p, values):
+    """``p.data = new`` where ``new`` is a new storage at ``p``'s old address holding ``values``: what the allocator
+    gives a parameter whose storage is freed and reallocated, as PEFT's DoRA unmerge (``W / f - delta``) can."""
+    ptr, version = p.data_ptr(), p._version
+    if p.is_cuda:
+        p.data = torch.empty(0, device=p.device)  # frees the block; the next allocation of its size reuses it
+        new = torch.empty_like(values)
+        new.copy_(values)
+    else:
+        raw = p.detach().numpy()  # the old memory, under a storage numpy owns
+        raw[...] = values.numpy()
+        new = torch.from_numpy(raw)
+    p.data = new
+    assert (p.data_ptr(), p._version) == (ptr, version)  # what the cache key held before storage numbers
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("which", ["base", "lora_B", "magnitude"])
+def test_a_new_storage_at_the_old_address_is_seen(which, device, monkeypatch):
+    model = build_peft_model("tiny", 4, 0.0, device, seed=2)
+    model.base_model.model.config.use_cache = False
+    flashdora.enable(model).eval()
+    layer = model.base_model.model.model.layers[0].self_attn.k_proj
+    p = {
+        "base": layer.base_layer.weight,
+        "lora_B": layer.lora_B["default"].weight,
+        "magnitude": layer.lora_magnitude_vector["default"].weight,
+    }[which]
+    ids = _ids(0).to(device)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits  # fills the cache
+        _swap_in_at_the_same_address(p, p.detach() * 1.05)
+        cached = model(input_ids=ids).logits
+    fresh = _logits_without_cache(model, ids, monkeypatch)
+    assert (fresh - before).abs().max() > 1e-4  # the swap changed the output, so a stale norm would show
+    torch.testing.assert_close(cached, fresh, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("seed", range(2))

@@ -6,6 +6,7 @@ norm never depends on the input; see ``NormCache``), behind the custom op ``flas
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -158,24 +159,45 @@ def cache_enabled() -> bool:
     return _switch_on("FLASHDORA_NORM_CACHE")
 
 
+_storage_numbers = itertools.count(1)
+
+
+def _storage_number(t) -> int:
+    """A number for ``t``'s storage, never given to another storage in this process.
+
+    ``p.data = new`` swaps a parameter's storage without moving its version counter, and the allocator may put the
+    new storage where the old one was: PEFT's DoRA unmerge does (``new = W / f - delta``), so ``data_ptr`` and the
+    version alone took the unmerged weight, a few float32 ulps off the original, for the original. torch keeps one
+    Python object per live storage, attributes included, so the number lives exactly as long as the storage.
+    """
+    s = t.untyped_storage()
+    n = getattr(s, "_flashdora_number", None)
+    if n is None:
+        n = s._flashdora_number = next(_storage_numbers)
+    return n
+
+
 def _tensor_keys(w, a, b, m) -> tuple:
     """The cache key of each of a layer's four tensors, written out in one call (this runs on every layer call).
 
     The version counter moves on every in-place write through autograd-visible aliases (load_state_dict, copy_
-    under no_grad, for-loop and foreach optimizers); data_ptr moves when storage is swapped (`.data =`, `.to()`).
+    under no_grad, for-loop and foreach optimizers); the storage number moves when storage is swapped (`.data =`,
+    `.to()`), even into the old address; data_ptr tells views of one storage apart.
     """
+    n = _storage_number
     return (
-        (w.data_ptr(), w._version, w.shape, w.stride(), w.dtype, w.device),
-        (a.data_ptr(), a._version, a.shape, a.stride(), a.dtype, a.device),
-        (b.data_ptr(), b._version, b.shape, b.stride(), b.dtype, b.device),
-        (m.data_ptr(), m._version, m.shape, m.stride(), m.dtype, m.device),
+        (w.data_ptr(), w._version, n(w), w.shape, w.stride(), w.dtype, w.device),
+        (a.data_ptr(), a._version, n(a), a.shape, a.stride(), a.dtype, a.device),
+        (b.data_ptr(), b._version, n(b), b.shape, b.stride(), b.dtype, b.device),
+        (m.data_ptr(), m._version, n(m), m.shape, m.stride(), m.dtype, m.device),
     )
 
 
 def _storage(keys: tuple, scaling: float, w_sq) -> tuple:
-    """Where a norm graph reads its inputs: storage, shape, strides, dtype and device of the four ``keys`` (never
-    their version counters), ``scaling`` and the ``||W||^2`` buffer."""
-    return tuple(k[:1] + k[2:] for k in keys) + (scaling, w_sq.data_ptr())
+    """Where a norm graph reads its inputs: address, shape, strides, dtype and device of the four ``keys`` (never
+    their version counters or storage numbers: new values, or a new storage, at the same address are what a graph
+    replay reads), ``scaling`` and the ``||W||^2`` buffer."""
+    return tuple(k[:1] + k[3:] for k in keys) + (scaling, w_sq.data_ptr())
 
 
 _optimizer_steps = 0
