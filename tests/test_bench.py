@@ -91,6 +91,33 @@ def test_model_files_and_schema(tmp_path):
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
 
 
+def test_layer_rounds_alternate_and_pool(tmp_path, monkeypatch):
+    order = []
+    measure = layer._measure_mode
+
+    def logged(fn, args, device):
+        got = measure(fn, args, device)
+        order.append(len(got["times_ms"]))
+        return got
+
+    monkeypatch.setattr(layer, "_measure_mode", logged)
+    built = []
+    monkeypatch.setattr(layer, "step_fn", lambda lay, *a: built.append(lay) or (lambda: None))
+    argv = ["layer", "--shapes", "16x24", "--ranks", "2", "--tokens", "4", "--dtypes", "autocast", "--no-kernels"]
+    argv += ["--modes", "peft_lora", "flashdora", "--phases", "forward", "--reps", "2", "--warmup", "0"]
+    result, files = run_bench(tmp_path, *argv, "--rounds", "3")
+    lora_first = built[0]
+    assert [lay is lora_first for lay in built] == [True, False, False, True, True, False]  # alternating
+    assert order == [2] * 6 and result["protocol"]["rounds"] == 3
+    assert [r["mode"] for r in result["rows"]] == ["peft_lora", "flashdora"]
+    for r in result["rows"]:
+        assert len(r["times_ms"]) == 6 and len(r["round_ms"]) == 3, r
+        assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
+    by_round = result["ratios"][0]["flashdora_over_lora_by_round"]
+    assert len(by_round) == 3 and all(v > 0 for v in by_round)
+    assert "pooled over 3 rounds" in files[".md"].read_text() and "by round" in files[".md"].read_text()
+
+
 def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):
     order = []
     measure = model.measure_mode

@@ -25,7 +25,7 @@ def ext():
     return mod
 
 
-def test_off_by_default_never_builds_and_a_failed_build_warns(monkeypatch):
+def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
     import torch.utils.cpp_extension as cpp
 
     calls = []
@@ -35,10 +35,10 @@ def test_off_by_default_never_builds_and_a_failed_build_warns(monkeypatch):
         raise RuntimeError("no compiler\nError building extension 'x'")
 
     monkeypatch.setattr(cpp, "load", broken)
-    monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
     native.reset()
     assert not native.enabled() and native.module() is None and calls == []  # off: never tries to build
-    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.delenv("FLASHDORA_NATIVE")  # default: on
     native.reset()
     assert native.enabled()
     monkeypatch.setattr("flashdora.backend._warned", set())

@@ -27,7 +27,7 @@ def shape_name(d_in: int, d_out: int) -> str:
 
 
 def timed(fn, *, warmup: int, reps: int, device) -> dict:
-    """``{"ms", "peak_extra_mib"}`` of ``fn``; an exception (OOM, a failing kernel) is recorded, printed, and the
+    """``{"ms", "peak_extra_mib", "times_ms"}`` of ``fn``; an exception (OOM, a failing kernel) is recorded, printed, and the
     sweep goes on, so one broken row does not cost the run."""
     try:
         m = timing.measure(fn, warmup=warmup, reps=reps, device=device)
@@ -36,7 +36,7 @@ def timed(fn, *, warmup: int, reps: int, device) -> dict:
         error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
         print(f"bench: row failed: {error}", file=sys.stderr)
         return {"ms": None, "peak_extra_mib": None, "error": error}
-    return {"ms": m.ms, "peak_extra_mib": m.peak_extra_mib}
+    return {"ms": m.ms, "peak_extra_mib": m.peak_extra_mib, "times_ms": m.times_ms}
 
 
 def _kernel(module: str, name: str):

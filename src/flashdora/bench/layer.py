@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import statistics
 from collections import OrderedDict
 
 import torch
@@ -67,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--reps", type=int, default=20, help="timed calls per row; the median is reported")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every (tokens, phase) this many times over its modes, every second round in reverse order, and "
+        "pool the rounds' calls (the median of all of them; round_ms: each round's median)",
+    )
     parser.add_argument(
         "--norm-shape",
         type=parse_shape,
@@ -140,6 +148,25 @@ def _measure_mode(fn, args, device) -> dict:
     return {**got, "paths": sorted(k for k in flashdora.stats() if not k.startswith("norm"))}
 
 
+def _pool(rounds: list[dict]) -> dict:
+    """One mode's measurement from its rounds: every timed call pooled, their median as ``ms``, each round's median
+    in ``round_ms``, the largest peak, every path taken; a round that failed gives the row its error."""
+    if len(rounds) == 1:
+        return rounds[0]
+    failed = [r for r in rounds if r.get("ms") is None]
+    if failed:
+        return failed[0]
+    times = [t for r in rounds for t in r["times_ms"]]
+    peaks = [r["peak_extra_mib"] for r in rounds if r["peak_extra_mib"] is not None]
+    return {
+        "ms": statistics.median(times),
+        "peak_extra_mib": max(peaks) if peaks else None,
+        "times_ms": times,
+        "round_ms": [r["ms"] for r in rounds],
+        "paths": sorted({p for r in rounds for p in r["paths"]}),
+    }
+
+
 def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]:
     """All (tokens, phase, mode) rows of one (shape, rank, dtype)."""
     d_out, d_in = weight.shape
@@ -157,11 +184,17 @@ def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]
     for tokens, phase in itertools.product(args.tokens, args.phases):
         x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=phase == "fwd_bwd")
         dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
+        got = {mode: [] for mode in args.modes}
+        for k in range(args.rounds):  # every second round reversed: no mode always runs right after another
+            for mode in args.modes if k % 2 == 0 else args.modes[::-1]:
+                model, layer = layers["peft_lora" if mode == "peft_lora" else "dora"]
+                if mode != "peft_lora":
+                    (flashdora.enable if mode == "flashdora" else flashdora.disable)(model)
+                timing.free_memory(device)
+                fn = step_fn(layer, x, dy, phase, dtype_mode == "autocast")
+                got[mode].append(_measure_mode(fn, args, device))
+                progress()
         for mode in args.modes:
-            model, layer = layers["peft_lora" if mode == "peft_lora" else "dora"]
-            if mode != "peft_lora":
-                (flashdora.enable if mode == "flashdora" else flashdora.disable)(model)
-            timing.free_memory(device)
             row = {
                 "shape": shape_name(d_in, d_out),
                 "d_in": d_in,
@@ -172,8 +205,7 @@ def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]
                 "mode": mode,
                 "phase": phase,
             }
-            rows.append({**row, **_measure_mode(step_fn(layer, x, dy, phase, dtype_mode == "autocast"), args, device)})
-            progress()
+            rows.append({**row, **_pool(got[mode])})
         del x, dy
     del layers
     timing.free_memory(device)
@@ -181,13 +213,21 @@ def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (shape, rank, tokens, dtype, phase): flashdora / peft_lora and peft_dora / flashdora time ratios."""
+    """Per (shape, rank, tokens, dtype, phase): flashdora / peft_lora and peft_dora / flashdora time ratios (and
+    flashdora / peft_lora round by round, where rows were pooled over rounds)."""
     by_key: dict[tuple, dict[str, float | None]] = {}
+    by_round: dict[tuple, dict[str, list]] = {}
     for r in rows:
-        by_key.setdefault((r["shape"], r["rank"], r["tokens"], r["dtype"], r["phase"]), {})[r["mode"]] = r["ms"]
+        key = (r["shape"], r["rank"], r["tokens"], r["dtype"], r["phase"])
+        by_key.setdefault(key, {})[r["mode"]] = r["ms"]
+        by_round.setdefault(key, {})[r["mode"]] = r.get("round_ms")
 
     def div(a, b):
         return None if a is None or b is None or b == 0 else a / b
+
+    def rounds(k):
+        f, lora = by_round[k].get("flashdora"), by_round[k].get("peft_lora")
+        return [div(a, b) for a, b in zip(f, lora)] if f and lora else None
 
     return [
         {
@@ -198,6 +238,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             "phase": k[4],
             "flashdora_over_lora": div(ms.get("flashdora"), ms.get("peft_lora")),
             "dora_over_flashdora": div(ms.get("peft_dora"), ms.get("flashdora")),
+            "flashdora_over_lora_by_round": rounds(k),
         }
         for k, ms in by_key.items()
     ]
@@ -207,13 +248,18 @@ def run(args) -> int:
     from rich.progress import Progress
 
     device = torch.device(args.device)
-    if args.reps < 1 or args.warmup < 0:
-        raise SystemExit(f"bench layer: --reps expected >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+    if args.reps < 1 or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit(
+            f"bench layer: --reps and --rounds expected >= 1 and --warmup >= 0, got {args.reps}, {args.rounds} and "
+            f"{args.warmup}"
+        )
     torch.manual_seed(args.seed)
     protocol = {
         "warmup": args.warmup,
         "reps": args.reps,
-        "statistic": "median",
+        "rounds": args.rounds,
+        "statistic": "median" if args.rounds == 1 else "median of all rounds' timed calls (round_ms: each round's)",
+        "order": "as listed" if args.rounds == 1 else "alternating: every second round runs the modes reversed",
         "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
         "memory": "max_memory_allocated over the timed calls minus memory_allocated before them",
         "lora_alpha": "= rank (scaling 1)",
@@ -222,7 +268,7 @@ def run(args) -> int:
     }
     result = record.new_result("layer", device, protocol, vars(args))
     configs = list(itertools.product(args.shapes, args.ranks, args.dtypes))
-    per_config = len(args.tokens) * len(args.phases) * len(args.modes)
+    per_config = len(args.tokens) * len(args.phases) * len(args.modes) * args.rounds
     rows = []
     with Progress(transient=True) as bar:
         task = bar.add_task("bench layer", total=len(configs) * per_config)
@@ -273,10 +319,17 @@ def render_markdown(result: dict) -> str:
                 *(g.get("peak_extra_mib") for g in got),
             ]
         )
+    n_rounds = result["protocol"].get("rounds", 1)
+    if n_rounds > 1:
+        columns.append("flashdora/LoRA by round")
+        for line, q in zip(lines, result["ratios"]):
+            by_round = q.get("flashdora_over_lora_by_round")
+            line.append(", ".join(f"{v:.2f}" for v in by_round) if by_round and None not in by_round else None)
+    pooled = f"pooled over {n_rounds} rounds in alternating order; " if n_rounds > 1 else ""
     out = [
         record.header(result, "flashdora bench layer"),
         "",
-        "Median ms per call; MiB: peak memory above the resident layer and inputs. DoRA = PEFT's DoRA.",
+        f"Median ms per call ({pooled}DoRA = PEFT's DoRA); MiB: peak memory above the resident layer and inputs.",
         "",
         record.table(columns, lines),
     ]

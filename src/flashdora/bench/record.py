@@ -129,10 +129,10 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
 
 
 def native_backward(device: torch.device | str) -> str:
-    """Whether flashdora's training steps here take the C++ backward node (``flashdora.native``): ``on``, ``off``
-    (the default; ``FLASHDORA_NATIVE=1`` turns it on), ``unbuilt`` (its build failed) or ``cpu`` (it is CUDA-only).
-    On CUDA, when on, the node is built or loaded here, before any timing, so that a fresh machine's one-time build
-    never lands in a row."""
+    """Whether flashdora's training steps here take the C++ backward node (``flashdora.native``): ``on`` (the
+    default), ``off`` (``FLASHDORA_NATIVE=0``), ``unbuilt`` (its build failed) or ``cpu`` (it is CUDA-only). On CUDA,
+    when on, the node is built or loaded here, before any timing, so that a fresh machine's one-time build never
+    lands in a row."""
     from flashdora import native
 
     if torch.device(device).type != "cuda":
