@@ -38,7 +38,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     same_changed = same_equal = moved = 0
     worst = 0.0
-    for step in range(args.rounds):
+    for _ in range(args.rounds):
         ids = torch.randint(0, 256, (2, 8), generator=gen).to(args.device)
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
@@ -65,7 +65,8 @@ def main() -> None:
             del os.environ["FLASHDORA_NORM_CACHE"]
         worst = max(worst, (cached - fresh).abs().max().item())
     total = args.rounds * len(weights)
-    print(f"# {args.rounds} merge/unmerge rounds x {len(weights)} DoRA layers on {args.device}, torch {torch.__version__}")
+    where = f"{len(weights)} DoRA layers on {args.device}, torch {torch.__version__}"
+    print(f"# {args.rounds} merge/unmerge rounds x {where}")
     print(f"weights moved to a new address:                    {moved} of {total}")
     print(f"back at the old address, values bit-identical:     {same_equal} of {total}")
     print(f"back at the old address, values changed (ulps):    {same_changed} of {total}")

@@ -27,8 +27,8 @@ def shape_name(d_in: int, d_out: int) -> str:
 
 
 def timed(fn, *, warmup: int, reps: int, device) -> dict:
-    """``{"ms", "peak_extra_mib", "times_ms"}`` of ``fn``; an exception (OOM, a failing kernel) is recorded, printed, and the
-    sweep goes on, so one broken row does not cost the run."""
+    """``{"ms", "peak_extra_mib", "times_ms"}`` of ``fn``; an exception (OOM, a failing kernel) is recorded, printed,
+    and the sweep goes on, so one broken row does not cost the run."""
     try:
         m = timing.measure(fn, warmup=warmup, reps=reps, device=device)
     except Exception as e:  # noqa: BLE001 - recorded in the row and printed
