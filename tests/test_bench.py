@@ -91,6 +91,15 @@ def test_model_files_and_schema(tmp_path):
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
 
 
+def test_a_second_result_with_the_same_name_never_overwrites_the_first(tmp_path):
+    result = {"timestamp": "2026-11-25T00:00:00", "device": {"type": "cpu"}, "bench": "layer", "args": {"tag": "t"}}
+    written = [record.write({**result, "n": n}, tmp_path, lambda r: f"run {r['n']}\n", None) for n in range(3)]
+    assert [p["json"].name for p in written] == [f"2026-11-25_cpu_layer-t{s}.json" for s in ("", "-2", "-3")]
+    for n, paths in enumerate(written):
+        assert json.loads(paths["json"].read_text())["n"] == n
+        assert paths["md"].read_text() == f"run {n}\n" and paths["md"].stem == paths["json"].stem
+
+
 def test_layer_rounds_alternate_and_pool(tmp_path, monkeypatch):
     order = []
     measure = layer._measure_mode

@@ -154,12 +154,19 @@ def write(
     render_md: Callable[[dict], str],
     render_png: Callable[[dict, Path], None] | None,
 ) -> dict[str, Path]:
-    """Write ``<stem>.json``, then generate ``<stem>.md`` (and ``<stem>.png``) from the JSON as read back."""
+    """Write ``<stem>.json``, then generate ``<stem>.md`` (and ``<stem>.png``) from the JSON as read back.
+
+    Never overwrites a result: where ``<stem>.json`` exists (a second run the same day with the same tag), the new
+    one is ``<stem>-2.json``, then ``-3``, and so on (the caller prints the paths written)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / f"{stem(result)}.json", "md": out_dir / f"{stem(result)}.md"}
-    paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
-    return {**paths, **render(paths["json"], render_md, render_png)}
+    name, k = stem(result), 1
+    while (out_dir / f"{name}.json").exists():
+        k += 1
+        name = f"{stem(result)}-{k}"
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return {"json": json_path, **render(json_path, render_md, render_png)}
 
 
 def render(json_path: Path, render_md: Callable[[dict], str], render_png) -> dict[str, Path]:
