@@ -276,11 +276,11 @@ class NormCache:
     """Per-layer storage, O(d_out): the norm, ``||W||^2`` and the scales, each with the key it was made for.
 
     Entries live on an owner object (PEFT's per-adapter ``DoraLinearLayer``) and die with it; the ops find them
-    by ``id(owner)``. Keys: storage, version counter, shape, strides, dtype and device of W, A, B and the
-    magnitude, ``scaling``, and the number of ``torch.optim`` steps taken in the process (any optimizer's step
-    invalidates every entry). Writes outside autograd and ``torch.optim`` (``p.data.copy_(...)`` by hand) are not
-    seen: call ``flashdora.enable(model)`` again after such edits (it clears the cache), or set
-    ``FLASHDORA_NORM_CACHE=0``.
+    by ``id(owner)``. Keys: address, storage number (``_storage_number``), version counter, shape, strides, dtype
+    and device of W, A, B and the magnitude, ``scaling``, and the number of ``torch.optim`` steps taken in the
+    process (any optimizer's step invalidates every entry). Writes outside autograd and ``torch.optim``
+    (``p.data.copy_(...)`` by hand) are not seen: call ``flashdora.enable(model)`` again after such edits (it clears
+    the cache), or set ``FLASHDORA_NORM_CACHE=0``.
     """
 
     _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
