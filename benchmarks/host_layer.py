@@ -3,7 +3,8 @@
 At 16 tokens each kernel takes a few microseconds, so a loop of calls runs at the speed the host issues them: the
 wall time per call is the host's cost, the quantity that decides the ratios of a host-bound model step (eighth
 session). Modes alternate for ``--turns`` turns; the median turn is printed per mode and phase:
-``inference`` (no grad) and ``fwd_bwd`` (forward and backward, weights unchanged: the norm comes from the cache).
+``inference`` (no grad), ``train_fwd`` (the forward of a training step alone: grad on, no backward; what gradient
+checkpointing replays) and ``fwd_bwd`` (forward and backward, weights unchanged: the norm comes from the cache).
 ``--step`` marks the trainable weights changed before each ``fwd_bwd`` call, as ``flashdora bench layer`` does (an
 optimizer step per call: flashdora recomputes its norm every call), and prints the host time flashdora spends in
 its norm lookup per call.
@@ -72,7 +73,7 @@ def per_call_us(model, phase, n):
         if phase == "fwd_bwd":
             y.backward(dy)
 
-    with torch.set_grad_enabled(phase == "fwd_bwd"):
+    with torch.set_grad_enabled(phase != "inference"):
         for _ in range(20):
             call()
         sync()
@@ -88,9 +89,10 @@ def per_call_us(model, phase, n):
     return us, lookup_s[0] / n * 1e6
 
 
+PHASES = ("inference", "train_fwd", "fwd_bwd")
 times, lookups = {}, {}
 for _ in range(args.turns):
-    for phase in ("inference", "fwd_bwd"):
+    for phase in PHASES:
         for name, model in models.items():
             us, lookup_us = per_call_us(model, phase, args.calls)
             times.setdefault((phase, name), []).append(us)
@@ -99,7 +101,7 @@ device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
 gc_state = "off" if args.no_gc else "on"
 step = ", weights marked changed before each fwd_bwd call" if args.step else ""
 print(f"# host us per call, {args.shape} r={args.rank}, {args.tokens} tokens, {device}, gc {gc_state}{step}")
-for phase in ("inference", "fwd_bwd"):
+for phase in PHASES:
     lora = statistics.median(times[(phase, "peft_lora")])
     for name in models:
         got = times[(phase, name)]
