@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import statistics
 from collections import OrderedDict
 
 import torch
@@ -148,25 +147,6 @@ def _measure_mode(fn, args, device) -> dict:
     return {**got, "paths": sorted(k for k in flashdora.stats() if not k.startswith("norm"))}
 
 
-def _pool(rounds: list[dict]) -> dict:
-    """One mode's measurement from its rounds: every timed call pooled, their median as ``ms``, each round's median
-    in ``round_ms``, the largest peak, every path taken; a round that failed gives the row its error."""
-    if len(rounds) == 1:
-        return rounds[0]
-    failed = [r for r in rounds if r.get("ms") is None]
-    if failed:
-        return failed[0]
-    times = [t for r in rounds for t in r["times_ms"]]
-    peaks = [r["peak_extra_mib"] for r in rounds if r["peak_extra_mib"] is not None]
-    return {
-        "ms": statistics.median(times),
-        "peak_extra_mib": max(peaks) if peaks else None,
-        "times_ms": times,
-        "round_ms": [r["ms"] for r in rounds],
-        "paths": sorted({p for r in rounds for p in r["paths"]}),
-    }
-
-
 def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]:
     """All (tokens, phase, mode) rows of one (shape, rank, dtype)."""
     d_out, d_in = weight.shape
@@ -205,7 +185,8 @@ def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]
                 "mode": mode,
                 "phase": phase,
             }
-            rows.append({**row, **_pool(got[mode])})
+            pooled = got[mode][0] if args.rounds == 1 else timing.pool_rounds(got[mode], "peak_extra_mib")
+            rows.append({**row, **pooled})
         del x, dy
     del layers
     timing.free_memory(device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -269,20 +268,10 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
             by_key.setdefault((r["mode"], r["phase"]), []).append(r)
     pooled = []
     for same in by_key.values():
-        row = dict(same[0])
-        failed = [r for r in same if r.get("ms") is None]
-        if failed:
-            pooled.append(failed[0])
-            continue
-        times = [t for r in same for t in r["times_ms"]]
-        row["ms"] = statistics.median(times)
-        row["times_ms"] = times
-        row["round_ms"] = [r["ms"] for r in same]
-        row["round_warmup_s"] = [r["warmup_s"] for r in same]  # (``warmup_s``: the first round's, compiles included)
-        peaks = [r["peak_extra_gib"] for r in same if r["peak_extra_gib"] is not None]
-        row["peak_extra_gib"] = max(peaks) if peaks else None
-        row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]
-        row["paths"] = sorted({p for r in same for p in r["paths"]})
+        row = timing.pool_rounds(same, "peak_extra_gib")
+        if row["ms"] is not None:
+            row["round_warmup_s"] = [r["warmup_s"] for r in same]  # (``warmup_s``: the first round's, compiles too)
+            row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]
         pooled.append(row)
     return pooled
 

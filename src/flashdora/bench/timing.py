@@ -99,6 +99,25 @@ def measure(fn: Callable[[], object], *, warmup: int, reps: int, device: torch.d
     return Measurement(ms=statistics.median(times), times_ms=times, peak_extra_bytes=peak, warmup_s=warmup_s)
 
 
+def pool_rounds(rounds: list[dict], peak_key: str) -> dict:
+    """One row from the same row of several rounds: every timed call pooled (``times_ms``), their median as ``ms``,
+    each round's median in ``round_ms``, the largest ``peak_key``, every path taken; the first round's other fields.
+    A round that failed (``ms`` is ``None``) gives its row, error included."""
+    failed = [r for r in rounds if r.get("ms") is None]
+    if failed:
+        return failed[0]
+    times = [t for r in rounds for t in r["times_ms"]]
+    peaks = [r[peak_key] for r in rounds if r[peak_key] is not None]
+    return {
+        **rounds[0],
+        "ms": statistics.median(times),
+        "times_ms": times,
+        "round_ms": [r["ms"] for r in rounds],
+        peak_key: max(peaks) if peaks else None,
+        "paths": sorted({p for r in rounds for p in r["paths"]}),
+    }
+
+
 def copy_bandwidth_gbps(device: torch.device | str, *, nbytes: int = GIB, warmup: int = 3, reps: int = 20) -> float:
     """Device-to-device copy rate in GB/s (10^9 bytes, counting bytes read + written) of one ``nbytes`` buffer."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
