@@ -1,17 +1,22 @@
-"""The compose's backward as a C++ autograd node (``csrc/compose_backward.cpp``), built once per machine.
+"""The compose on the Triton path in C++ (``csrc/compose.cpp``): its forward and its backward node, built once per
+machine.
 
-On the Triton path the compose's backward is otherwise a Python ``autograd.Function``. Inside a model's backward it
-runs on the autograd engine's device thread, between the C++ nodes of everything else, and there its Python cost
-per layer is several times what the same code costs in a loop (docs/benchmarks.md, thirteenth session). The node does
-the same work in C++: it launches the compose-backward kernel the Python path compiled and tuned (its launch plan
-comes from ``kernels.compose.bwd_plan``), then the magnitude gradient's second stage and the two LoRA GEMMs.
+A layer of ordinary size is bound by the host. The C++ forward runs the LoRA A matmul and launches the fused forward
+kernel the Python path compiled and tuned (its launch plan comes from ``kernels.compose.fwd_plan``), and in training
+hangs the backward node on the output. The Python path's backward is otherwise an ``autograd.Function``: inside a
+model's backward it runs on the autograd engine's device thread, between the C++ nodes of everything else, and there
+its Python cost per layer is several times what the same code costs in a loop (docs/benchmarks.md, thirteenth
+session). The node does the same work in C++: it launches the compose-backward kernel (plan from
+``kernels.compose.bwd_plan``), then the magnitude gradient's second stage and the two LoRA GEMMs. A call the C++
+forward has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files
+the plans.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
-no CUDA toolkit: the node finds ``cuLaunchKernel`` in the driver torch loaded) on the first training forward of a
-CUDA layer, into torch's extension cache, once per machine and torch version (about a minute; later processes load
-it in a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python backward and never builds): each node
-gives the Python path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA where the Python
-backward misses it (docs/decisions.md). A build that fails warns once (with the fix) and leaves the Python backward.
+no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) on the first Triton-path call of a CUDA
+layer, into torch's extension cache, once per machine and torch version (about a minute; later processes load it in
+a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python path and never builds): it gives the Python
+path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA where the Python backward misses
+it (docs/decisions.md). A build that fails warns once (with the fix) and leaves the Python path.
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ import torch
 
 from flashdora import backend
 
-_SOURCE = Path(__file__).parent / "csrc" / "compose_backward.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "compose.cpp"
 _module = None
 _tried = False
 
 
 def enabled() -> bool:
     """``FLASHDORA_NATIVE`` (default on, docs/decisions.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
-    backward and never builds the node. Read on every training forward, so it can be switched at any time."""
+    path and never builds the extension. Read on every call, so it can be switched at any time."""
     return backend.switch("FLASHDORA_NATIVE", True)
 
 
@@ -50,17 +55,17 @@ def _build() -> None:
 
     name = "flashdora_native_" + re.sub(r"\W", "_", torch.__version__)  # (a build is tied to its torch's ABI)
     print(
-        f"flashdora: loading its C++ backward node ({name}; built once per machine and torch version, about a minute; "
+        f"flashdora: loading its C++ compose ({name}; built once per machine and torch version, about a minute; "
         "FLASHDORA_NATIVE=0 skips it)",
         file=sys.stderr,
     )
     try:
         _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python backward still works
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path still works
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         backend.warn_once(
             "native",
-            f"flashdora: the C++ backward node could not be built ({msg}); the Python backward runs instead (same "
+            f"flashdora: the C++ compose could not be built ({msg}); the Python path runs instead (same "
             "results, more host time a layer). It needs a C++ compiler and ninja (pip install ninja); "
             "FLASHDORA_NATIVE=0 silences this",
         )

@@ -133,3 +133,79 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     for got, want in zip(g_nat, g_py, strict=True):
         assert not got.isnan().any()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _cpp_forward_calls(monkeypatch) -> list:
+    """Make the Python path record its calls: after warm-up, none may come (the C++ forward takes them all)."""
+    calls = []
+    python_path = C._compose_python
+
+    def recorded(*args):
+        calls.append(1)
+        return python_path(*args)
+
+    monkeypatch.setattr(C, "_compose_python", recorded)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
+@pytest.mark.parametrize(("adapter_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, adapter_dtype, with_bias):
+    t, d_in, d_out, r, scaling = 37, 96, 1000, 16, 0.5
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, adapter_dtype, t, d_in, d_out, r)
+    bias = torch.randn(d_out, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    with torch.no_grad():
+        mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
+    autocast = adapter_dtype == torch.float32  # fp32 adapters under autocast; bf16 ones without
+
+    def run():
+        with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            result = F.linear(x, w, bias)
+            y = C.compose_eager(result, x, lora_A, lora_B, mag, scales, scaling, bias)
+        torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
+        grads = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy) if grad else ()
+        return y.detach(), grads, y.grad_fn.name() if grad else None
+
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
+    for _ in range(3):  # tunes and compiles the kernels
+        y_py, g_py, _ = run()
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.setattr(C, "_native", ext)
+    for _ in range(3):  # the first calls find no plan: the Python path runs and files them
+        run()
+    calls = _cpp_forward_calls(monkeypatch)
+    y_cpp, g_cpp, name = run()
+    assert calls == []  # the C++ forward took the call
+    assert name in (None, "FlashDoraComposeBackward")
+    assert not y_cpp.isnan().any()
+    torch.testing.assert_close(y_cpp, y_py, rtol=0, atol=0)
+    for got, want in zip(g_cpp, g_py, strict=True):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_plans(ext, monkeypatch):
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.bfloat16, 5, 32, 48, 4)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    result = F.linear(x, w).detach()
+    with torch.no_grad():
+        assert ext.forward(result.transpose(0, 1), x, lora_A, lora_B, mag, scales, None, 1.0) is None  # strided
+        assert ext.forward(result.cpu(), x.cpu(), lora_A, lora_B, mag, scales, None, 1.0) is None  # not CUDA
+    with torch.enable_grad():  # grad on, a frozen magnitude: the Python autograd.Function's case
+        assert ext.forward(result, x, lora_A, lora_B, mag.detach(), scales, None, 1.0) is None
+    # A shape whose plans never come (never filed here): declined for good after a bounded number of misses.
+    odd = torch.randn(3, 17, 48, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = [ext.forward(odd, x.new_empty(3, 17, 32), lora_A, lora_B, mag, scales, None, 0.25) for _ in range(80)]
+    assert got[0] is False and got[-1] is None and got.index(None) <= 65
+
+
+def test_cpu_forward_is_left_to_the_python_path(ext):
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.float32, torch.float32)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    with torch.no_grad():
+        assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0) is None  # CUDA only

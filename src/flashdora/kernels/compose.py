@@ -247,21 +247,40 @@ def compose_fwd_fused(result, a, lora_B, scales, scaling, bias=None, lx_base=Non
     before the compose, as PEFT's (and the eager path's) matmul output is: same values, so a flashdora model tracks
     PEFT's under bf16 (docs/decisions.md).
     """
+    t, n, y, inner, launch = _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner)
+    if t > 0 and n > 0:
+        configs.launch(_compose_fused_fwd_kernel, _grid_2d(t, n), *launch)
+    return y, inner if save_inner else None
+
+
+def _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner):
+    """``(t, n, y, inner, (key, args, flags))``: the fused forward's outputs and its launch arguments."""
     r = a.shape[-1]
     t, n, (res2, s_res), (lb2, s_lb), bias_c, y, inner, flags = _fwd_io(result, scales, bias, lx_base, save_inner)
     a2, s_a = _rows(a, r)
     b = lora_B if lora_B.stride(1) == 1 else lora_B.contiguous()
-    if t > 0 and n > 0:
-        args = (
-            res2, a2, b, lb2, bias_c, scales, y, inner,
-            t, n, r, float(scaling),
-            s_res, s_a, b.stride(0), s_lb, n, n, scales.stride(0),
-        )  # fmt: skip
-        flags["DOT_PRECISION"] = "tf32x3" if a.dtype == torch.float32 else "tf32"
-        flags["UPCAST_DOT"] = configs.INTERPRETED and a.dtype == torch.bfloat16
-        key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, scales.dtype)
-        configs.launch(_compose_fused_fwd_kernel, _grid_2d(t, n), key, args, flags)
-    return y, inner if save_inner else None
+    args = (
+        res2, a2, b, lb2, bias_c, scales, y, inner,
+        t, n, r, float(scaling),
+        s_res, s_a, b.stride(0), s_lb, n, n, scales.stride(0),
+    )  # fmt: skip
+    flags["DOT_PRECISION"] = "tf32x3" if a.dtype == torch.float32 else "tf32"
+    flags["UPCAST_DOT"] = configs.INTERPRETED and a.dtype == torch.bfloat16
+    key = (n, r, result.dtype, a.dtype, b.dtype, lb2.dtype, bias_c.dtype, scales.dtype)
+    return t, n, y, inner, (key, args, flags)
+
+
+def fwd_plan(result, a, lora_B, scales, scaling, bias, save_inner) -> tuple | None:
+    """How ``flashdora.native``'s forward launches ``compose_fwd_fused`` for a call like this one (no ``lx_base``):
+    ``(CUfunction, warps, shared bytes, BLOCK_M, BLOCK_N, parameter types, kept arguments)``, or ``None`` until
+    ``compose_fwd_fused`` has tuned and compiled that kernel. ``a`` may be a stand-in of the LoRA A output's dtype and
+    width (the plan depends on its alignment, never its values)."""
+    t, n, _, _, (key, args, flags) = _fused_call(result, a, lora_B, scales, scaling, bias, None, save_inner)
+    plan = configs.direct_plan(_compose_fused_fwd_kernel, key, args, flags) if t > 0 and n > 0 else None
+    if plan is None:
+        return None
+    config, function, warps, shared, types, keep = plan
+    return function, warps, shared, config["BLOCK_M"], config["BLOCK_N"], types, keep
 
 
 def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
@@ -336,20 +355,15 @@ def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor) -> tuple 
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         return plan
-    tuned_key = (id(_compose_bwd_kernel), (n, dtype, dtype, scales.dtype))
-    tuned = configs._TUNED.get(tuned_key)
-    if tuned is None or t == 0 or n == 0:
+    if t == 0 or n == 0:
         return None
-    config, n_tensors = tuned
     rows, like = _bwd_split(t, n, scales)
     part = like.new_empty(1)  # an aligned stand-in for each tensor the node allocates or aligns
     args = (part, part, scales, part, part, part, t, n, rows, 1.0, n, n, n, n, scales.stride(0))
-    flags = (True, False, configs.INTERPRETED)  # compose_bwd's HAS_INNER, HAS_LX_BASE, EMULATE_RNE
-    spec = configs._launch_specialization(args, n_tensors)
-    hit = configs._COMPILED.get((tuned_key, scales.get_device(), flags, (), spec))
-    if hit is None or hit[0] is not None:  # not compiled yet, or not a kernel torch's launcher can take
+    flags = dict(HAS_INNER=True, HAS_LX_BASE=False, EMULATE_RNE=configs.INTERPRETED)  # as compose_bwd's
+    got = configs.direct_plan(_compose_bwd_kernel, (n, dtype, dtype, scales.dtype), args, flags)
+    if got is None:
         return None
-    _, _, function, warps, shared, types, _, keep = hit[:8]
-    keep = list(range(len(args))) if keep is None else list(keep)
+    config, function, warps, shared, types, keep = got
     plan = _BWD_PLANS[key] = (function, warps, shared, config["BLOCK_N"], like.shape[0], rows, types, keep)
     return plan

@@ -275,6 +275,22 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     )  # fmt: skip
 
 
+def direct_plan(kernel, key: tuple, args: tuple, flags: dict) -> tuple | None:
+    """How to launch, from C++ (``flashdora.native``), the kernel ``launch`` runs for a call with these arguments:
+    ``(tuned config, CUfunction, warps, shared bytes, parameter types, kept argument positions)``, or ``None`` until
+    ``launch`` has tuned and compiled it, and where it runs through Triton's launcher instead of torch's."""
+    tuned = _TUNED.get((id(kernel), key))
+    if tuned is None or INTERPRETED or type(kernel.fn) is Heuristics:
+        return None
+    config, n_tensors = tuned
+    spec = _launch_specialization(args, n_tensors)
+    hit = _COMPILED.get(((id(kernel), key), args[0].get_device(), tuple(flags.values()), (), spec))
+    if hit is None or hit[0] is not None:
+        return None
+    _, _, function, warps, shared, types, _, keep = hit[:8]
+    return config, function, warps, shared, types, list(range(len(args)) if keep is None else keep)
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _HookChain = getattr(knobs, "HookChain", None)
 

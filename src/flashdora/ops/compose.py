@@ -227,7 +227,28 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
 
 
 def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None) -> Tensor:
-    """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check)."""
+    """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check).
+
+    On the Triton path a call without ``lx_base`` runs in ``flashdora.native``'s C++ forward once that holds the
+    launch plans of its kernels; the call that finds none runs the Python path below and files them."""
+    unplanned = train = False
+    if lx_base is None and result.is_cuda and native.enabled() and backend.use_triton(result):
+        mod = _native if _native is not None else _load_native()
+        if mod is not False and not (torch.is_grad_enabled() and torch._C._are_functorch_transforms_active()):
+            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling))
+            if y is not None and y is not False:
+                backend.count("triton")
+                if torch.is_grad_enabled():
+                    backend.count("native")
+                return y
+            unplanned, train = y is False, torch.is_grad_enabled() and magnitude.requires_grad
+    y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
+    if unplanned:
+        _file_plans(result, lora_A, lora_B, scales, scaling, bias, train)
+    return y
+
+
+def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base) -> Tensor:
     device_type = result.device.type
     autocast = torch.is_autocast_enabled(device_type)
     cd = _compute_dtype(device_type, lora_A, autocast)
@@ -246,17 +267,41 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
 _native = None  # flashdora.native's extension once loaded (on the first call switched on); False: its build failed
 
 
+def _load_native():
+    """The extension (built or loaded on the first call switched on), or ``False`` where it could not be built."""
+    global _native
+    _native = native.module() or False
+    return _native
+
+
+def _file_plans(result, lora_A, lora_B, scales, scaling, bias, train: bool) -> None:
+    """Give ``flashdora.native``'s forward the launch plans of the kernels a call like this one runs (``train``: with
+    the backward node), those the Python path has compiled by now (its first calls of a shape tune and compile;
+    until then this files nothing)."""
+    kc = _kc or _import_kernels()
+    device_type = result.device.type
+    cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
+    n = result.shape[-1]
+    t = result.numel() // n
+    a = result.new_empty((t, lora_A.shape[0]), dtype=cd)  # a stand-in: the plan depends on a's dtype and width
+    with torch.no_grad():
+        b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
+    plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train)
+    if plan is not None:
+        _native.register_forward(result, a, b, scales, bias, train, *plan)
+    if train:
+        plan = kc.bwd_plan(t, n, result.dtype, scales)
+        if plan is not None:
+            _native.register_backward(result, scales, *plan)
+
+
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
     does not apply: switched off, no Triton, no built extension, a trainable bias, or a backward kernel not compiled
     yet (the Python path's first backward compiles it). The first call switched on builds or loads the node."""
-    global _native
-    # (FLASHDORA_NATIVE is read on every call: it can be switched at any time)
     if not native.enabled() or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
         return None
-    if _native is None:
-        _native = native.module() or False
-    if _native is False:
+    if (_native if _native is not None else _load_native()) is False:
         return None
     kc = _kc or _import_kernels()
     n = result.shape[-1]

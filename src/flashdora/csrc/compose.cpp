@@ -1,0 +1,390 @@
+// The DoRA compose on the Triton path, forward and backward, in C++ (flashdora.native; design: docs/decisions.md).
+//
+// A layer of ordinary size is bound by the host: its Python costs more than its kernels. `forward` runs the
+// LoRA A matmul (ATen, recorded by autograd as F.linear is), launches the fused forward kernel that the Python path
+// compiled and tuned, and in training hangs the backward node on the output; it takes a call only when it holds the
+// plan of every kernel it launches (registered from Python once per shape, after the Python path compiled them), and
+// leaves everything else to the Python path. The backward node launches the compose-backward kernel, then the
+// magnitude gradient's second stage and the two LoRA GEMMs: on the autograd engine's device thread the Python
+// `autograd.Function` costs more host time per layer than PEFT LoRA's C++ nodes.
+//
+// Math (docs/math.md): y = g (result - bias + s a B^T) + bias with a = x A^T; gdy = g dy;
+// dm = sum_tokens dy * inner / norm; dB = s gdy^T a; da = s gdy B.
+//
+// Error messages are built with std::to_string, never by streaming numbers: with the device machines' g++ 13 and
+// torch 2.11, streaming an integer into TORCH_CHECK's message crashed in the extension's own copy of
+// std::ostream::_M_insert (a segfault where the Python path raises).
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/extension.h>
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// cuLaunchKernel, from the driver torch has loaded (no link against CUDA: this file builds against any torch).
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                         void**);
+
+LaunchFn launch_fn() {
+  static LaunchFn fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    return lib == nullptr ? nullptr : reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+  }();
+  return fn;
+}
+
+// One compiled Triton kernel and its tuned blocks: what Triton's launcher would pass it, decided in Python
+// (kernels/compose.py: fwd_plan, bwd_plan).
+struct Plan {
+  int64_t function = 0;     // CUfunction
+  int64_t warps = 4;
+  int64_t shared = 0;       // dynamic shared memory, bytes
+  int64_t block_m = 0;      // forward: the tuned BLOCK_M (grid x = cdiv(T, BLOCK_M)); backward: tokens per program
+  int64_t block_n = 0;      // the tuned BLOCK_N (grid y = cdiv(N, BLOCK_N))
+  int64_t n_split = 1;      // backward: grid x, token ranges, each one partial sum row of dm
+  std::string types;        // per kernel parameter passed: 'O' pointer, 'i' i32, 'l' i64, 'f' f32 (then padding)
+  std::vector<int64_t> keep;  // which arguments are parameters (the rest Triton folded into constants)
+  int64_t misses = 0;       // a placeholder (function 0): calls that found no plan under its key
+};
+
+// A kernel argument before packing: a pointer, an integer or a float.
+struct Arg {
+  char kind;
+  void* ptr;
+  int64_t i;
+  double f;
+};
+
+// The current stream of `device` (the autograd engine sets it to the forward's for this node), as a cudaStream_t.
+void* current_stream(const c10::Device& device) {
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
+}
+
+void launch(const Plan& plan, const std::vector<Arg>& args, int64_t grid_x, int64_t grid_y, void* stream) {
+  LaunchFn fn = launch_fn();
+  TORCH_CHECK(fn != nullptr, "flashdora.native: cuLaunchKernel not found in libcuda.so.1");
+  std::vector<uint64_t> storage(plan.types.size(), 0);  // 8 bytes per parameter, written in its own type
+  std::vector<void*> params(plan.types.size(), nullptr);
+  for (size_t k = 0; k < plan.types.size(); ++k) {
+    void* slot = &storage[k];
+    params[k] = slot;
+    char ty = plan.types[k];
+    if (k >= plan.keep.size()) {  // padding: a null pointer per scratch parameter newer Triton adds
+      continue;
+    }
+    const Arg& a = args.at(static_cast<size_t>(plan.keep[k]));
+    if (ty == 'O') {
+      void* p = a.ptr;
+      std::memcpy(slot, &p, sizeof(p));
+    } else if (ty == 'i') {
+      int32_t v = static_cast<int32_t>(a.i);
+      std::memcpy(slot, &v, sizeof(v));
+    } else if (ty == 'l') {
+      int64_t v = a.i;
+      std::memcpy(slot, &v, sizeof(v));
+    } else if (ty == 'f') {
+      float v = static_cast<float>(a.kind == 'f' ? a.f : static_cast<double>(a.i));
+      std::memcpy(slot, &v, sizeof(v));
+    } else {
+      TORCH_CHECK(false, "flashdora.native: unsupported kernel parameter type " + std::string(1, ty));
+    }
+  }
+  int rc = fn(reinterpret_cast<void*>(plan.function), static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), 1,
+              static_cast<unsigned>(32 * plan.warps), 1, 1, static_cast<unsigned>(plan.shared),
+              stream, params.data(), nullptr);
+  TORCH_CHECK(rc == 0, "flashdora.native: cuLaunchKernel failed with CUresult " + std::to_string(rc));
+}
+
+// A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
+template <typename T>
+auto make_node() {
+  using Ptr = decltype(std::declval<T&>().getptr());
+  if constexpr (std::is_same_v<Ptr, std::shared_ptr<Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+Arg ptr(const at::Tensor& t) { return Arg{'O', t.data_ptr(), 0, 0.0}; }
+Arg integer(int64_t v) { return Arg{'i', nullptr, v, 0.0}; }
+
+// d_result, d_a, d_lora_B, d_magnitude of `y = compose(result, a, lora_B, magnitude)` without dropout's lx_base.
+struct ComposeBackward : public Node {
+  SavedVariable a_, inner_;
+  at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
+  uint32_t b_version_ = 0;
+  double alpha_ = 1.0;
+  Plan plan_;
+
+  std::string name() const override { return "FlashDoraComposeBackward"; }
+
+  // (a, inner), after the checks the Python path makes.
+  std::pair<at::Tensor, at::Tensor> unpack_saved() {
+    TORCH_CHECK(scales_.defined(),
+                "flashdora: trying to backward through the compose a second time after its buffers were freed "
+                "(specify retain_graph=True)");
+    TORCH_CHECK(lora_B_._version() == b_version_,
+                "flashdora: lora_B was modified by an inplace operation between the forward and the backward (version " +
+                    std::to_string(b_version_) + " -> " + std::to_string(lora_B_._version()) +
+                    "); the backward needs the values the forward used");
+    auto self = getptr();
+    return {a_.unpack(self), inner_.unpack(self)};
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(4);
+    if (!grads[0].defined()) return out;
+    auto [a, inner] = unpack_saved();
+    at::Tensor dy = grads[0].contiguous();
+    if (reinterpret_cast<uintptr_t>(dy.data_ptr()) & 15) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
+    const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
+    at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
+    at::Tensor dg_part = at::empty({plan_.n_split, n}, scales_.options());
+    std::vector<Arg> args = {
+        ptr(dy), ptr(inner), ptr(scales_), ptr(gdy), ptr(gdy), ptr(dg_part),
+        integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, 1.0},
+        integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
+    };
+    launch(plan_, args, plan_.n_split, (n + plan_.block_n - 1) / plan_.block_n, current_stream(dy.device()));
+    if (should_compute_output(0)) out[0] = gdy;
+    if (should_compute_output(3)) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
+    if (should_compute_output(1) || should_compute_output(2)) {
+      at::Tensor gdy2 = gdy.view({t, n});
+      if (gdy2.scalar_type() != a.scalar_type()) gdy2 = gdy2.to(a.scalar_type());
+      if (should_compute_output(2)) {  // s gdy^T a: [d_out, r], in a's dtype (autograd casts it to lora_B's)
+        at::Tensor a2 = a.view({t, r});
+        out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
+      }
+      if (should_compute_output(1)) {  // s gdy B: [T, r]
+        at::Tensor b = lora_B_.scalar_type() == a.scalar_type() ? lora_B_ : lora_B_.to(a.scalar_type());
+        at::Tensor da = alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
+        out[1] = da.view(a.sizes());
+      }
+    }
+    return out;
+  }
+
+  void release_variables() override {
+    a_.reset_data();
+    inner_.reset_data();
+    scales_.reset();
+  }
+};
+
+// A node of type T with the edges and saved state both node types share (set_history hangs it on y).
+template <typename T>
+auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
+              const at::Tensor& inner, const at::Tensor& scales, double alpha) {
+  auto node = make_node<T>();
+  node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
+  node->a_ = SavedVariable(a, false);
+  node->inner_ = SavedVariable(inner, false);
+  node->lora_B_ = lora_B;
+  node->b_version_ = lora_B._version();
+  node->scales_ = scales;
+  node->alpha_ = alpha;
+  return node;
+}
+
+// Hang a ComposeBackward on `y` (fresh, from the fused forward kernel): its inputs are result, a, lora_B, magnitude.
+void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
+            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, const at::Tensor& zero,
+            double alpha, int64_t function, int64_t warps, int64_t shared, int64_t block_n,
+            int64_t n_split, int64_t rows, std::string types, std::vector<int64_t> keep) {
+  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha);
+  node->zero_ = zero;
+  node->plan_ = Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)};
+  torch::autograd::set_history(y, node);
+}
+
+// ---- The forward, and the launch plans it finds by key ----
+
+// What Triton specializes a compiled kernel on for an integer argument (kernels/configs.py `_specialization`).
+int64_t spec(int64_t v) { return ((v & 15) == 0) + 2 * (v == 1) + 4 * (v >= INT32_MIN && v <= INT32_MAX); }
+
+bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Every plan Python has filed, by key; a key seen without a plan holds a placeholder that counts the misses.
+std::map<std::vector<int64_t>, Plan>& plans() {
+  static auto* table = new std::map<std::vector<int64_t>, Plan>();  // (never freed: used until the process ends)
+  return *table;
+}
+
+constexpr int kMaxMisses = 64;  // a key still without a plan after this many calls is left to the Python path
+
+// The forward kernel compiled for a call: everything the autotuner's key, the constexpr flags and Triton's
+// specialization depend on (all pointers 16-byte aligned: `forward` checks; `a` is a fresh [T, r] tensor).
+std::vector<int64_t> fwd_key(const at::Tensor& result, int64_t r, c10::ScalarType a_type, c10::ScalarType b_type,
+                             int64_t b_stride, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                             bool save_inner) {
+  const int64_t n = result.size(-1), t = result.numel() / n;
+  return {0, result.get_device(), n, r, static_cast<int64_t>(result.scalar_type()), static_cast<int64_t>(a_type),
+          static_cast<int64_t>(b_type), bias ? static_cast<int64_t>(bias->scalar_type()) : -1,
+          static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0))};
+}
+
+// The backward kernel's plan (its token split depends on T itself).
+std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales) {
+  const int64_t n = result.size(-1);
+  return {1, result.get_device(), result.numel() / n, n, static_cast<int64_t>(result.scalar_type()),
+          static_cast<int64_t>(scales.scalar_type()), scales.stride(0)};
+}
+
+enum class Found { plan, missing, given_up };
+
+// The plan filed under `key` in `*out`; a key without one counts a miss, and is given up after kMaxMisses.
+Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
+  Plan& plan = plans()[std::move(key)];  // (std::map: the reference stays valid while other keys are added)
+  *out = &plan;
+  if (plan.function != 0) return Found::plan;
+  return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
+}
+
+// The eager path's 0-dim zero for addmm's ignored input, one per dtype and device.
+at::Tensor zero_like(const at::Tensor& a) {
+  static auto* zeros = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
+  auto key = std::make_pair(static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(a.get_device()));
+  auto it = zeros->find(key);
+  if (it == zeros->end()) it = zeros->emplace(key, at::zeros({}, a.options())).first;
+  return it->second;
+}
+
+constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
+
+// ops/compose.py's compose_eager on the Triton path without dropout's lx_base: y, or None where this call is not
+// one it takes (the Python path runs), or False where it has no plan for it yet (the Python path runs and files its
+// plans). The checks come before any work: a call it declines has launched nothing.
+py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                   const at::Tensor& magnitude, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
+                   double scaling) {
+  if (!result.is_cuda() || result.dim() < 1 || !result.is_contiguous() || result.numel() == 0) return py::none();
+  const int64_t n = result.size(-1), t = result.numel() / n, r = lora_A.size(0);
+  const bool grad = at::GradMode::is_enabled();
+  const bool train = grad && magnitude.requires_grad();
+  if ((grad && !train) || (train && bias && bias->requires_grad())) return py::none();
+  for (const at::Tensor* p : {&result, &x, &lora_A, &lora_B}) {
+    if (p->scalar_type() == at::kDouble) return py::none();
+  }
+  if (scales.stride(-1) != 1 || lora_B.stride(1) != 1 || !aligned(result) || !aligned(scales)) return py::none();
+  const auto device_type = result.device().type();
+  const bool autocast = at::autocast::is_autocast_enabled(device_type);
+  const c10::ScalarType cd = autocast ? at::autocast::get_autocast_dtype(device_type) : lora_A.scalar_type();
+  const bool cast_b = lora_B.numel() >= kCastBFirst && lora_B.scalar_type() != cd;
+  if (!cast_b && !aligned(lora_B)) return py::none();
+  at::Tensor bias_c;
+  if (bias) {
+    bias_c = bias->contiguous();
+    if (!aligned(bias_c)) return py::none();
+  }
+  const Plan* fwd = nullptr;
+  const Plan* bwd = nullptr;
+  Found found = find_plan(
+      fwd_key(result, r, cd, cast_b ? cd : lora_B.scalar_type(), cast_b ? r : lora_B.stride(0), scales, bias, train),
+      &fwd);
+  Found found_bwd = train ? find_plan(bwd_key(result, scales), &bwd) : Found::plan;
+  if (found == Found::given_up || found_bwd == Found::given_up) return py::none();
+  if (found == Found::missing || found_bwd == Found::missing) return py::bool_(false);
+
+  // a = x A^T in the matmul dtype, as ops/compose.py `_lora_a`: under autocast with grad, autocast casts both
+  // operands; without grad, lora_A is cast here (autocast would keep its copy until its region ends).
+  at::Tensor a;
+  if (autocast) {
+    a = at::linear(x, grad || lora_A.scalar_type() == cd ? lora_A : lora_A.to(cd));
+  } else {
+    a = at::linear(x.scalar_type() == cd ? x : x.to(cd), lora_A);
+  }
+  if (!a.is_contiguous()) a = a.contiguous();
+  TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
+  at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
+  at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
+  at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
+  std::vector<Arg> args = {
+      ptr(result), ptr(a), ptr(b), ptr(result), bias ? ptr(bias_c) : ptr(scales), ptr(scales), ptr(y), ptr(inner),
+      integer(t), integer(n), integer(r), Arg{'f', nullptr, 0, scaling},
+      integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
+  };
+  launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
+  if (train) {
+    auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling);
+    node->zero_ = zero_like(a);
+    node->plan_ = *bwd;
+    torch::autograd::set_history(y, node);
+  }
+  return py::cast(y);
+}
+
+// File the forward kernel compiled for a call like this one (`a`: the LoRA A output or a stand-in of its dtype and
+// width; `b`: lora_B as the kernel reads it).
+void register_forward(const at::Tensor& result, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& bias, bool save_inner, int64_t function, int64_t warps,
+                      int64_t shared, int64_t block_m, int64_t block_n, std::string types, std::vector<int64_t> keep) {
+  TORCH_CHECK(function != 0, "flashdora.native: register_forward needs a loaded kernel");
+  plans()[fwd_key(result, a.size(-1), a.scalar_type(), b.scalar_type(), b.stride(0), scales, bias, save_inner)] =
+      Plan{function, warps, shared, block_m, block_n, 1, std::move(types), std::move(keep)};
+}
+
+// File the backward kernel's plan for gradients shaped and typed like `result`.
+void register_backward(const at::Tensor& result, const at::Tensor& scales, int64_t function, int64_t warps,
+                       int64_t shared, int64_t block_n, int64_t n_split, int64_t rows, std::string types,
+                       std::vector<int64_t> keep) {
+  TORCH_CHECK(function != 0, "flashdora.native: register_backward needs a loaded kernel");
+  plans()[bwd_key(result, scales)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
+                                          std::move(keep)};
+}
+
+// The same node's math in ATen, no kernel: a CPU test of the node's wiring (flashdora.native's tests).
+struct EagerComposeBackward : public ComposeBackward {
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(4);
+    if (!grads[0].defined()) return out;
+    auto [a, inner] = unpack_saved();
+    at::Tensor dy = grads[0];
+    const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
+    at::Tensor d32 = dy.to(scales_.scalar_type()).reshape({t, n});
+    at::Tensor gdy = (d32 * scales_.select(0, 0)).to(dy.scalar_type()).view(dy.sizes());
+    if (should_compute_output(0)) out[0] = gdy;
+    if (should_compute_output(3)) {
+      out[3] = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
+    }
+    at::Tensor gdy2 = gdy.reshape({t, n}).to(a.scalar_type());
+    if (should_compute_output(2)) out[2] = at::mm(gdy2.t(), a.reshape({t, r})) * alpha_;
+    if (should_compute_output(1)) out[1] = (at::mm(gdy2, lora_B_.to(a.scalar_type())) * alpha_).view(a.sizes());
+    return out;
+  }
+};
+
+void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
+                  const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha) {
+  torch::autograd::set_history(y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "the compose's forward on the Triton path: y, None (not taken) or False (no plan yet)");
+  m.def("register_forward", &register_forward, "file the forward kernel's launch plan for calls like this one");
+  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these");
+  m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)");
+  m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)");
+}
