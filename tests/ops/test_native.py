@@ -209,3 +209,29 @@ def test_cpu_forward_is_left_to_the_python_path(ext):
     scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
     with torch.no_grad():
         assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0) is None  # CUDA only
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, monkeypatch):
+    """Forwards with grad before any backward (the backward kernel not compiled yet) run the Python path without
+    giving the shape up; the first forward after a backward files the backward's plan, and the next runs in C++."""
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.setattr(C, "_native", ext)
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0)
+
+    for _ in range(80):
+        forward()
+    for _ in range(3):
+        forward().backward(dy)
+    forward()
+    calls = _cpp_forward_calls(monkeypatch)
+    y = forward()
+    assert calls == [] and y.grad_fn.name() == "FlashDoraComposeBackward"
+    y.backward(dy)
+    assert not any(t.grad.isnan().any() for t in (x, lora_A, lora_B, mag))

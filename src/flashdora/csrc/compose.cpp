@@ -225,13 +225,13 @@ bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_p
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Every plan Python has filed, by key; a key seen without a plan holds a placeholder that counts the misses.
+// Every plan Python has filed, by key; a forward key seen without a plan holds a placeholder that counts misses.
 std::map<std::vector<int64_t>, Plan>& plans() {
   static auto* table = new std::map<std::vector<int64_t>, Plan>();  // (never freed: used until the process ends)
   return *table;
 }
 
-constexpr int kMaxMisses = 64;  // a key still without a plan after this many calls is left to the Python path
+constexpr int kMaxMisses = 64;  // a forward key still without a plan after this many calls: left to the Python path
 
 // The forward kernel compiled for a call: everything the autotuner's key, the constexpr flags and Triton's
 // specialization depend on (all pointers 16-byte aligned: `forward` checks; `a` is a fresh [T, r] tensor).
@@ -273,8 +273,8 @@ at::Tensor zero_like(const at::Tensor& a) {
 constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
 
 // ops/compose.py's compose_eager on the Triton path without dropout's lx_base: y, or None where this call is not
-// one it takes (the Python path runs), or False where it has no plan for it yet (the Python path runs and files its
-// plans). The checks come before any work: a call it declines has launched nothing.
+// one it takes (the Python path runs), or False where it has no forward plan for it yet (the Python path runs and
+// files it). The checks come before any work: a call it declines has launched nothing.
 py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
                    double scaling) {
@@ -298,13 +298,22 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     if (!aligned(bias_c)) return py::none();
   }
   const Plan* fwd = nullptr;
+  switch (find_plan(fwd_key(result, r, cd, cast_b ? cd : lora_B.scalar_type(), cast_b ? r : lora_B.stride(0), scales,
+                            bias, train),
+                    &fwd)) {
+    case Found::given_up: return py::none();
+    case Found::missing: return py::bool_(false);
+    case Found::plan: break;
+  }
+  // The backward kernel compiles in the Python path's first backward of a shape, so forwards may come first (a
+  // forward with grad and no backward, or several before one): those run the Python path, and the first one after
+  // that backward files the plan (ops/compose.py `_compose_native`). No miss is counted.
   const Plan* bwd = nullptr;
-  Found found = find_plan(
-      fwd_key(result, r, cd, cast_b ? cd : lora_B.scalar_type(), cast_b ? r : lora_B.stride(0), scales, bias, train),
-      &fwd);
-  Found found_bwd = train ? find_plan(bwd_key(result, scales), &bwd) : Found::plan;
-  if (found == Found::given_up || found_bwd == Found::given_up) return py::none();
-  if (found == Found::missing || found_bwd == Found::missing) return py::bool_(false);
+  if (train) {
+    auto it = plans().find(bwd_key(result, scales));
+    if (it == plans().end()) return py::none();
+    bwd = &it->second;
+  }
 
   // a = x A^T in the matmul dtype, as ops/compose.py `_lora_a`: under autocast with grad, autocast casts both
   // operands; without grad, lora_A is cast here (autocast would keep its copy until its region ends).

@@ -275,24 +275,20 @@ def _load_native():
 
 
 def _file_plans(result, lora_A, lora_B, scales, scaling, bias, train: bool) -> None:
-    """Give ``flashdora.native``'s forward the launch plans of the kernels a call like this one runs (``train``: with
-    the backward node), those the Python path has compiled by now (its first calls of a shape tune and compile;
-    until then this files nothing)."""
+    """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (``train``:
+    saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The backward
+    kernel's plan is filed by ``_compose_native``, the first forward after that kernel compiled."""
     kc = _kc or _import_kernels()
     device_type = result.device.type
     cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
     n = result.shape[-1]
-    t = result.numel() // n
-    a = result.new_empty((t, lora_A.shape[0]), dtype=cd)  # a stand-in: the plan depends on a's dtype and width
+    # a stand-in for the LoRA A output: the plan depends on its dtype, width and alignment only
+    a = result.new_empty((result.numel() // n, lora_A.shape[0]), dtype=cd)
     with torch.no_grad():
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
     plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train)
     if plan is not None:
         _native.register_forward(result, a, b, scales, bias, train, *plan)
-    if train:
-        plan = kc.bwd_plan(t, n, result.dtype, scales)
-        if plan is not None:
-            _native.register_backward(result, scales, *plan)
 
 
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
@@ -308,6 +304,7 @@ def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales)
     if plan is None:
         return None
+    _native.register_backward(result, scales, *plan)  # (the C++ forward takes the next such call)
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
