@@ -242,15 +242,14 @@ def graphs_enabled() -> bool:
 _MAX_CAPTURES = 3  # per layer: storage that keeps moving (e.g. parameters gathered into new buffers) stops capturing
 
 
-def _fresh_graphed(cache: dict, key: tuple, m_key: tuple, weight, lora_A, lora_B, magnitude, w_sq):
+def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitude, scaling, w_sq):
     """``_fresh`` on the Triton path, replayed from a per-layer CUDA graph once one is captured for this storage.
 
-    A graph re-reads its inputs where they were at capture, so it is keyed on storage, shape, strides, dtype and
-    device (never on version counters: new values in the same storage are what it is for) and on ``scaling``.
-    The first computation for a storage runs eagerly (and warms the autotuner); it is captured for the next.
+    A graph re-reads its inputs where they were at capture, so it is keyed on ``storage`` (``_storage``: addresses,
+    shapes, strides, dtypes and devices, never version counters: new values in the same storage are what it is for)
+    and ``scaling``. The first computation for a storage runs eagerly (and warms the autotuner); it is captured for
+    the next.
     """
-    scaling = key[3]
-    storage = _storage((*key[:3], m_key), scaling, w_sq)
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:
         backend.count("norm:triton")
@@ -327,9 +326,9 @@ class NormCache:
                 grouped = norm_group.enabled()
                 fresh = norm_group.recompute(owner, weight) if grouped else None
                 if fresh is None:
-                    fresh = _fresh_graphed(cache, key, full_key[1], weight, lora_A, lora_B, magnitude, w_sq)
+                    storage = _storage((*key[:3], full_key[1]), scaling, w_sq)
+                    fresh = _fresh_graphed(cache, storage, weight, lora_A, lora_B, magnitude, scaling, w_sq)
                     if grouped:
-                        storage = _storage((*key[:3], full_key[1]), scaling, w_sq)
                         norm_group.note(owner, cache, weight, lora_A, lora_B, magnitude, scaling, storage)
             else:
                 fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, triton, w_sq)

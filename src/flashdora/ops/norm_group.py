@@ -81,6 +81,8 @@ def recompute(owner, weight) -> tuple | None:
     if id(owner) in st.pending or (st.pending and st.group is not None and id(owner) in st.group.index):
         members = [] if st.group is None else [m for m in st.group.members if m.owner() is not None]
         members = [m for m in members if id(m.owner()) not in st.pending] + list(st.pending.values())
+        if len(members) < 2:  # a lone layer: no group to build (it stays a candidate, its member kept)
+            return None
         st.pending.clear()
         st.group = _Group.build(weight.device, members)
         backend.count("norm:group_build" if st.group is not None else "norm:group_unbuilt")
@@ -103,7 +105,8 @@ def note(owner, cache: dict, weight, lora_A, lora_B, magnitude, scaling: float, 
     if not (lora_A.requires_grad or lora_B.requires_grad or magnitude.requires_grad):
         return
     st = _state(weight.device)
-    if id(owner) not in st.pending:
+    member = st.pending.get(id(owner))
+    if member is None or member.storage != storage:
         st.pending[id(owner)] = _Member(owner, (weight, lora_A, lora_B, magnitude), scaling, storage)
 
 
