@@ -205,15 +205,32 @@ auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& l
   return node;
 }
 
-// Hang a ComposeBackward on `y` (fresh, from the fused forward kernel): its inputs are result, a, lora_B, magnitude.
-void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, const at::Tensor& zero,
-            double alpha, int64_t function, int64_t warps, int64_t shared, int64_t block_n,
-            int64_t n_split, int64_t rows, std::string types, std::vector<int64_t> keep) {
+// The eager path's 0-dim zero for addmm's ignored input, one per dtype and device.
+at::Tensor zero_like(const at::Tensor& a) {
+  static auto* zeros = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
+  auto key = std::make_pair(static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(a.get_device()));
+  auto it = zeros->find(key);
+  if (it == zeros->end()) it = zeros->emplace(key, at::zeros({}, a.options())).first;
+  return it->second;
+}
+
+// Hang a ComposeBackward launching `plan` on `y` (fresh, from the fused forward kernel): its inputs are result, a,
+// lora_B, magnitude.
+void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
+               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha, Plan plan) {
   auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha);
-  node->zero_ = zero;
-  node->plan_ = Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)};
+  node->zero_ = zero_like(a);
+  node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
+}
+
+// hang_node from Python (ops/compose.py `_compose_native`: a forward the C++ forward did not take).
+void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
+            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha,
+            int64_t function, int64_t warps, int64_t shared, int64_t block_n, int64_t n_split, int64_t rows,
+            std::string types, std::vector<int64_t> keep) {
+  hang_node(y, result, a, lora_B, magnitude, inner, scales, alpha,
+            Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)});
 }
 
 // ---- The forward, and the launch plans it finds by key ----
@@ -259,15 +276,6 @@ Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
   *out = &plan;
   if (plan.function != 0) return Found::plan;
   return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
-}
-
-// The eager path's 0-dim zero for addmm's ignored input, one per dtype and device.
-at::Tensor zero_like(const at::Tensor& a) {
-  static auto* zeros = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
-  auto key = std::make_pair(static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(a.get_device()));
-  auto it = zeros->find(key);
-  if (it == zeros->end()) it = zeros->emplace(key, at::zeros({}, a.options())).first;
-  return it->second;
 }
 
 constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
@@ -334,12 +342,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
       integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
   };
   launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
-  if (train) {
-    auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling);
-    node->zero_ = zero_like(a);
-    node->plan_ = *bwd;
-    torch::autograd::set_history(y, node);
-  }
+  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd);
   return py::cast(y);
 }
 

@@ -231,7 +231,7 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
 
     On the Triton path a call without ``lx_base`` runs in ``flashdora.native``'s C++ forward once that holds the
     launch plans of its kernels; the call that finds none runs the Python path below and files them."""
-    unplanned = train = False
+    unplanned = False
     if lx_base is None and result.is_cuda and native.enabled() and backend.use_triton(result):
         mod = _native if _native is not None else _load_native()
         if mod is not False and not (torch.is_grad_enabled() and torch._C._are_functorch_transforms_active()):
@@ -241,10 +241,10 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
                 if torch.is_grad_enabled():
                     backend.count("native")
                 return y
-            unplanned, train = y is False, torch.is_grad_enabled() and magnitude.requires_grad
+            unplanned = y is False
     y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
     if unplanned:
-        _file_plans(result, lora_A, lora_B, scales, scaling, bias, train)
+        _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias)
     return y
 
 
@@ -274,11 +274,12 @@ def _load_native():
     return _native
 
 
-def _file_plans(result, lora_A, lora_B, scales, scaling, bias, train: bool) -> None:
-    """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (``train``:
-    saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The backward
-    kernel's plan is filed by ``_compose_native``, the first forward after that kernel compiled."""
+def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias) -> None:
+    """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (in
+    training, saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The
+    backward kernel's plan is filed by ``_compose_native``, the first forward after that kernel compiled."""
     kc = _kc or _import_kernels()
+    train = torch.is_grad_enabled() and magnitude.requires_grad
     device_type = result.device.type
     cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
     n = result.shape[-1]
@@ -309,11 +310,7 @@ def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
     backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
     y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, None, save_inner=True)
-    key = (a.dtype, a.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = a.new_zeros(())
-    _native.attach(y, result, a, lora_B, magnitude, inner, scales, zero, float(scaling), *plan)
+    _native.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan)
     return y
 
 
