@@ -24,7 +24,6 @@
 
 #include <dlfcn.h>
 
-#include <array>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -151,13 +150,11 @@ struct ComposeBackward : public Node {
     return {a_.unpack(self), inner_.unpack(self)};
   }
 
-  // The gradients of result (g dy), a (s gdy B), lora_B (s gdy^T a) and the magnitude, each where `need` asks.
-  // d_a and d_lora_B come in a's dtype, as the matmuls of PEFT's autocast path give them (autograd casts them to
-  // their inputs' dtypes).
-  std::array<at::Tensor, 4> core(const at::Tensor& dy_in, const at::Tensor& a, const at::Tensor& inner,
-                                 std::array<bool, 4> need) {
-    std::array<at::Tensor, 4> out;
-    at::Tensor dy = dy_in.contiguous();
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(4);
+    if (!grads[0].defined()) return out;
+    auto [a, inner] = unpack_saved();
+    at::Tensor dy = grads[0].contiguous();
     if (reinterpret_cast<uintptr_t>(dy.data_ptr()) & 15) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
     at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
@@ -168,34 +165,21 @@ struct ComposeBackward : public Node {
         integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
     };
     launch(plan_, args, plan_.n_split, (n + plan_.block_n - 1) / plan_.block_n, current_stream(dy.device()));
-    if (need[0]) out[0] = gdy;
-    if (need[3]) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
-    if (need[1] || need[2]) {
+    if (should_compute_output(0)) out[0] = gdy;
+    if (should_compute_output(3)) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
+    if (should_compute_output(1) || should_compute_output(2)) {
       at::Tensor gdy2 = gdy.view({t, n});
       if (gdy2.scalar_type() != a.scalar_type()) gdy2 = gdy2.to(a.scalar_type());
-      if (need[2]) {  // s gdy^T a: [d_out, r]
+      if (should_compute_output(2)) {  // s gdy^T a: [d_out, r], in a's dtype (autograd casts it to lora_B's)
         at::Tensor a2 = a.view({t, r});
         out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
       }
-      if (need[1]) {  // s gdy B: [T, r]
+      if (should_compute_output(1)) {  // s gdy B: [T, r]
         at::Tensor b = lora_B_.scalar_type() == a.scalar_type() ? lora_B_ : lora_B_.to(a.scalar_type());
-        out[1] = alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
+        at::Tensor da = alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
+        out[1] = da.view(a.sizes());
       }
     }
-    return out;
-  }
-
-  variable_list apply(variable_list&& grads) override {
-    variable_list out(4);
-    if (!grads[0].defined()) return out;
-    auto [a, inner] = unpack_saved();
-    auto got = core(grads[0], a, inner,
-                    {should_compute_output(0), should_compute_output(1), should_compute_output(2),
-                     should_compute_output(3)});
-    out[0] = got[0];
-    if (got[1].defined()) out[1] = got[1].view(a.sizes());
-    out[2] = got[2];
-    out[3] = got[3];
     return out;
   }
 
@@ -206,47 +190,12 @@ struct ComposeBackward : public Node {
   }
 };
 
-// The compose with its LoRA A matmul `a = x_c A_c^T` inside, the C++ forward's node: d_result, d_x, d_lora_A, d_lora_B,
-// d_magnitude. x_c and A_c are the matmul's operands in its dtype (x and lora_A themselves where no cast was
-// needed), saved where autograd's matmul would save them; the two GEMMs added are the ones autograd's mm backward
-// runs for that matmul (dx = da A_c; dA = da^T x_c), and the engine casts each gradient to its input's dtype as the
-// autocast cast's backward would: the Python path's bits, with two autograd nodes fewer.
-struct ComposeLinearBackward : public ComposeBackward {
-  SavedVariable x_, weight_;
-
-  variable_list apply(variable_list&& grads) override {
-    variable_list out(5);
-    if (!grads[0].defined()) return out;
-    auto [a, inner] = unpack_saved();
-    const bool need_x = should_compute_output(1), need_w = should_compute_output(2);
-    auto got = core(grads[0], a, inner,
-                    {should_compute_output(0), need_x || need_w, should_compute_output(3), should_compute_output(4)});
-    out[0] = got[0];
-    out[3] = got[2];
-    out[4] = got[3];
-    if (need_x || need_w) {
-      auto self = getptr();
-      at::Tensor x = x_.unpack(self);
-      const at::Tensor& da = got[1];  // [T, r]
-      if (need_x) out[1] = at::mm(da, weight_.unpack(self)).view(x.sizes());
-      if (need_w) out[2] = at::mm(da.t(), x.reshape({-1, x.size(-1)}));
-    }
-    return out;
-  }
-
-  void release_variables() override {
-    ComposeBackward::release_variables();
-    x_.reset_data();
-    weight_.reset_data();
-  }
-};
-
-// A node of type T with `edges` and the saved state every node type shares (set_history hangs it on y).
+// A node of type T with the edges and saved state both node types share (set_history hangs it on y).
 template <typename T>
-auto new_node(torch::autograd::edge_list edges, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& inner,
-              const at::Tensor& scales, double alpha) {
+auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
+              const at::Tensor& inner, const at::Tensor& scales, double alpha) {
   auto node = make_node<T>();
-  node->set_next_edges(std::move(edges));
+  node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
   node->a_ = SavedVariable(a, false);
   node->inner_ = SavedVariable(inner, false);
   node->lora_B_ = lora_B;
@@ -269,8 +218,7 @@ at::Tensor zero_like(const at::Tensor& a) {
 // lora_B, magnitude.
 void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
                const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha, Plan plan) {
-  auto edges = torch::autograd::collect_next_edges(result, a, lora_B, magnitude);
-  auto node = new_node<ComposeBackward>(std::move(edges), a, lora_B, inner, scales, alpha);
+  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha);
   node->zero_ = zero_like(a);
   node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
@@ -375,17 +323,15 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     bwd = &it->second;
   }
 
-  // a = x A^T in the matmul dtype, from the operands the LoRA A matmul of the Python path (`_lora_a`) reads: x and
-  // lora_A cast to it. In training the node stands for this matmul in autograd (it saves x_c and w_c), so it runs
-  // without recording.
-  at::Tensor x_c, w_c, a;
-  {
-    at::NoGradGuard no_grad;
-    x_c = x.scalar_type() == cd ? x : x.to(cd);
-    w_c = lora_A.scalar_type() == cd ? lora_A : lora_A.to(cd);
-    a = at::linear(x_c, w_c);
-    if (!a.is_contiguous()) a = a.contiguous();
+  // a = x A^T in the matmul dtype, as ops/compose.py `_lora_a`: under autocast with grad, autocast casts both
+  // operands; without grad, lora_A is cast here (autocast would keep its copy until its region ends).
+  at::Tensor a;
+  if (autocast) {
+    a = at::linear(x, grad || lora_A.scalar_type() == cd ? lora_A : lora_A.to(cd));
+  } else {
+    a = at::linear(x.scalar_type() == cd ? x : x.to(cd), lora_A);
   }
+  if (!a.is_contiguous()) a = a.contiguous();
   TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
   at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
@@ -396,15 +342,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
       integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
   };
   launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
-  if (train) {
-    auto edges = torch::autograd::collect_next_edges(result, x, lora_A, lora_B, magnitude);
-    auto node = new_node<ComposeLinearBackward>(std::move(edges), a, lora_B, inner, scales, scaling);
-    node->x_ = SavedVariable(x_c, false);
-    node->weight_ = SavedVariable(w_c, false);
-    node->zero_ = zero_like(a);
-    node->plan_ = *bwd;
-    torch::autograd::set_history(y, node);
-  }
+  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd);
   return py::cast(y);
 }
 
@@ -450,8 +388,7 @@ struct EagerComposeBackward : public ComposeBackward {
 
 void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
                   const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha) {
-  auto edges = torch::autograd::collect_next_edges(result, a, lora_B, magnitude);
-  torch::autograd::set_history(y, new_node<EagerComposeBackward>(std::move(edges), a, lora_B, inner, scales, alpha));
+  torch::autograd::set_history(y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha));
 }
 
 }  // namespace
