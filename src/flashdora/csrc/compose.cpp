@@ -124,6 +124,10 @@ auto make_node() {
   }
 }
 
+bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 Arg ptr(const at::Tensor& t) { return Arg{'O', t.data_ptr(), 0, 0.0}; }
 Arg integer(int64_t v) { return Arg{'i', nullptr, v, 0.0}; }
 
@@ -155,7 +159,7 @@ struct ComposeBackward : public Node {
     if (!grads[0].defined()) return out;
     auto [a, inner] = unpack_saved();
     at::Tensor dy = grads[0].contiguous();
-    if (reinterpret_cast<uintptr_t>(dy.data_ptr()) & 15) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
+    if (!aligned(dy)) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
     at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
     at::Tensor dg_part = at::empty({plan_.n_split, n}, scales_.options());
@@ -164,7 +168,7 @@ struct ComposeBackward : public Node {
         integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, 1.0},
         integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
     };
-    launch(plan_, args, plan_.n_split, (n + plan_.block_n - 1) / plan_.block_n, current_stream(dy.device()));
+    launch(plan_, args, plan_.n_split, cdiv(n, plan_.block_n), current_stream(dy.device()));
     if (should_compute_output(0)) out[0] = gdy;
     if (should_compute_output(3)) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
     if (should_compute_output(1) || should_compute_output(2)) {
@@ -237,10 +241,6 @@ void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const a
 
 // What Triton specializes a compiled kernel on for an integer argument (kernels/configs.py `_specialization`).
 int64_t spec(int64_t v) { return ((v & 15) == 0) + 2 * (v == 1) + 4 * (v >= INT32_MIN && v <= INT32_MAX); }
-
-bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
-
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Every plan Python has filed, by key; a forward key seen without a plan holds a placeholder that counts misses.
 std::map<std::vector<int64_t>, Plan>& plans() {
