@@ -244,6 +244,44 @@ def test_norm_graph_replays_track_optimizer_steps():
     assert flashdora.stats()["norm:triton"] >= 4 * len(layers)
 
 
+@pytest.mark.gpu
+def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
+    """CUDA, a lone layer: a replay hands out the graph's own buffer, unless an earlier result is still held (a
+    pending backward's saved scales): then it copies, and the held result keeps its values."""
+    from flashdora.ops import norm_group
+    from flashdora.ops.norm import NormCache, compute_norm, scales
+
+    norm_group.forget()
+    torch.manual_seed(0)
+    w = torch.randn(96, 80, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8, 80, device="cuda", requires_grad=True)
+    b = torch.randn(96, 8, device="cuda", requires_grad=True)
+    m = (w.float().norm(dim=1) * 1.1).requires_grad_()
+    owner = torch.nn.Module()
+
+    def miss():
+        with torch.no_grad():
+            a.add_(torch.randn_like(a), alpha=0.1)  # new weights (moves the version counter)
+        got = NormCache.lookup_owner(w, a, b, m, 0.5, owner)
+        fresh = compute_norm(w, a.detach(), b.detach(), 0.5)
+        torch.testing.assert_close(got, scales(m, fresh), rtol=1e-6, atol=0)
+        return got
+
+    for _ in range(3):  # the first miss runs eagerly and captures the graph; the later ones replay it
+        miss()
+    cache = owner.__dict__["_flashdora_cache"]
+    buffer = cache["graph"][1].out.untyped_storage().data_ptr()
+    assert miss().untyped_storage().data_ptr() == buffer  # nothing else held it: rewritten in place
+    held = miss()
+    kept = held.clone()
+    assert held.untyped_storage().data_ptr() == buffer
+    assert miss().untyped_storage().data_ptr() != buffer  # `held` is still alive: a copy
+    torch.testing.assert_close(held, kept, rtol=0, atol=0)
+    del held
+    assert miss().untyped_storage().data_ptr() == buffer
+    assert cache["graph_captures"] == 1
+
+
 def test_copies_of_a_model_get_their_own_cache():
     """deepcopy (EMA or reference models) and pickling start a layer's cache afresh, never share the original's."""
     import pickle

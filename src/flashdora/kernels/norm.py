@@ -176,9 +176,7 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor
 
 
 @triton.jit
-def _scales_kernel(
-    p_part, p_m, p_norm, p_scales, n_part, d_out, stride_s, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr
-):
+def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, stride_s, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr):
     """norm = sqrt(max(sum of the partial squared norms, 0)) (or the norm itself), then g, g - 1, 1 / norm (rows of
     ``p_scales``, ``stride_s`` apart)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -276,11 +274,21 @@ class NormGraph:
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(weight.device).wait_stream(stream)
+        self._alone = _holders(self.out)
 
     def __call__(self) -> torch.Tensor:
-        """Replay; returns a fresh copy of ``[norm; g; g - 1; 1 / norm]`` (the buffer is overwritten next time)."""
+        """Replay; returns ``[norm; g; g - 1; 1 / norm]``: the graph's own buffer where nothing else holds it, else
+        a copy. A result still held (by a pending backward, say) must never change under its holder; the caller lets
+        go of its own earlier results first (``ops.norm._fresh_graphed``)."""
+        alone = self._alone is not None and _holders(self.out) == self._alone
         self.graph.replay()
-        return self.out.clone()
+        return self.out if alone else self.out.clone()
+
+
+def _holders(t: torch.Tensor) -> int | None:
+    """How many tensors (views included) share ``t``'s storage; ``None`` where this torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
 
 
 def scales_from_norm(magnitude, norm) -> torch.Tensor:

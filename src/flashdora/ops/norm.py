@@ -253,6 +253,8 @@ def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitud
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:
         backend.count("norm:triton")
+        for name in ("norm", "scales", "norm_key", "scales_key"):  # our earlier results: the replay may rewrite them
+            cache.pop(name, None)
         both = entry[1]()
         return both[0], both[1:]
     fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
