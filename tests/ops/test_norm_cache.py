@@ -247,7 +247,7 @@ def test_norm_graph_replays_track_optimizer_steps():
 @pytest.mark.gpu
 def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
     """CUDA, a lone layer: a replay hands out the graph's own buffer, unless an earlier result is still held (a
-    pending backward's saved scales): then it copies, and the held result keeps its values."""
+    pending backward's saved scales): then the norm is computed apart, and the held result keeps its values."""
     from flashdora.ops import norm_group
     from flashdora.ops.norm import NormCache, compute_norm, scales
 
@@ -275,7 +275,7 @@ def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
     held = miss()
     kept = held.clone()
     assert held.untyped_storage().data_ptr() == buffer
-    assert miss().untyped_storage().data_ptr() != buffer  # `held` is still alive: a copy
+    assert miss().untyped_storage().data_ptr() != buffer  # `held` is still alive: computed apart
     torch.testing.assert_close(held, kept, rtol=0, atol=0)
     del held
     assert miss().untyped_storage().data_ptr() == buffer

@@ -276,13 +276,19 @@ class NormGraph:
         torch.cuda.current_stream(weight.device).wait_stream(stream)
         self._alone = _holders(self.out)
 
-    def __call__(self) -> torch.Tensor:
-        """Replay; returns ``[norm; g; g - 1; 1 / norm]``: the graph's own buffer where nothing else holds it, else
-        a copy. A result still held (by a pending backward, say) must never change under its holder; the caller lets
-        go of its own earlier results first (``ops.norm._fresh_graphed``)."""
-        alone = self._alone is not None and _holders(self.out) == self._alone
+    def __call__(self) -> torch.Tensor | None:
+        """Replay into the graph's buffer and return it, ``[norm; g; g - 1; 1 / norm]``, which the next replay
+        rewrites. ``None`` (no replay) while an earlier result is still held, by a pending backward's saved scales
+        say: a held result must never change, so the caller computes this one apart, and lets go of its own earlier
+        results first (``ops.norm._fresh_graphed``). Where this torch cannot count the buffer's holders, every
+        replay returns a copy instead."""
+        if self._alone is None:
+            self.graph.replay()
+            return self.out.clone()
+        if _holders(self.out) != self._alone:
+            return None
         self.graph.replay()
-        return self.out if alone else self.out.clone()
+        return self.out
 
 
 def _holders(t: torch.Tensor) -> int | None:

@@ -248,14 +248,17 @@ def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitud
     A graph re-reads its inputs where they were at capture, so it is keyed on ``storage`` (``_storage``: addresses,
     shapes, strides, dtypes and devices, never version counters: new values in the same storage are what it is for)
     and ``scaling``. The first computation for a storage runs eagerly (and warms the autotuner); it is captured for
-    the next.
+    the next. A replay hands out the graph's own buffer, which the next replay rewrites; while a result handed out
+    earlier is still held (a pending backward saved it), the computation runs eagerly instead.
     """
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:
-        backend.count("norm:triton")
-        for name in ("norm", "scales", "norm_key", "scales_key"):  # our earlier results: the replay may rewrite them
+        for name in ("norm", "scales", "norm_key", "scales_key"):  # our earlier results: a replay rewrites them
             cache.pop(name, None)
         both = entry[1]()
+        if both is None:  # an earlier result is still held: this one is computed apart, the graph kept
+            return _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
+        backend.count("norm:triton")
         return both[0], both[1:]
     fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
     captures = cache.get("graph_captures", 0)
