@@ -150,8 +150,12 @@ def _swap_in_at_the_same_address(p, values):
     gives a parameter whose storage is freed and reallocated, as PEFT's DoRA unmerge (``W / f - delta``) can."""
     ptr, version = p.data_ptr(), p._version
     if p.is_cuda:
-        p.data = torch.empty(0, device=p.device)  # frees the block; the next allocation of its size reuses it
+        p.data = torch.empty(0, device=p.device)  # frees the block; an allocation of its size will reuse it
+        misses = []  # free blocks of that size at lower addresses come first: hold them until ours comes up
         new = torch.empty_like(values)
+        while new.data_ptr() != ptr and len(misses) < 1000:
+            misses.append(new)
+            new = torch.empty_like(values)
         new.copy_(values)
     else:
         raw = p.detach().numpy()  # the old memory, under a storage numpy owns

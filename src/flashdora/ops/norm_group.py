@@ -75,8 +75,11 @@ def recompute(owner, weight) -> tuple | None:
     A candidate's second miss with no group run in between builds the group first, from the earlier group's
     members and every candidate: a whole step has passed since it joined, and every layer that trains has joined.
     """
-    st = _STATES.get((weight.device.type, weight.device.index))
-    if st is None or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+    device = weight.device
+    st = _STATES.get((device.type, device.index))
+    if st is None or (st.group is None and len(st.pending) < 2):  # a lone layer: no group to run or build
+        return None
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     if id(owner) in st.pending or (st.pending and st.group is not None and id(owner) in st.group.index):
         members = [] if st.group is None else [m for m in st.group.members if m.owner() is not None]
