@@ -194,32 +194,6 @@ struct ComposeBackward : public Node {
   }
 };
 
-// dx and dA of the C++ forward's LoRA A matmul `a = x_c A_c^T` (x_c, A_c: x and lora_A in the matmul dtype, or
-// themselves where no cast was needed): the two GEMMs autograd's mm backward runs for that matmul (dx = da A_c,
-// dA = da^T x_c), in one node where autograd records the matmul, its views and the autocast cast as four. The engine
-// casts each gradient to its input's dtype, as the cast's backward would: the Python path's bits.
-struct LoraABackward : public Node {
-  SavedVariable x_, weight_;
-
-  std::string name() const override { return "FlashDoraLoraABackward"; }
-
-  variable_list apply(variable_list&& grads) override {
-    variable_list out(2);
-    if (!grads[0].defined()) return out;
-    auto self = getptr();
-    at::Tensor x = x_.unpack(self);
-    at::Tensor da = grads[0].reshape({-1, grads[0].size(-1)});  // [T, r]
-    if (should_compute_output(0)) out[0] = at::mm(da, weight_.unpack(self)).view(x.sizes());
-    if (should_compute_output(1)) out[1] = at::mm(da.t(), x.reshape({-1, x.size(-1)}));
-    return out;
-  }
-
-  void release_variables() override {
-    x_.reset_data();
-    weight_.reset_data();
-  }
-};
-
 // A node of type T with the edges and saved state both node types share (set_history hangs it on y).
 template <typename T>
 auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
@@ -349,21 +323,16 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     bwd = &it->second;
   }
 
-  // a = x A^T in the matmul dtype, from the operands the LoRA A matmul of the Python path (`_lora_a`) reads: x and
-  // lora_A cast to it. It runs without recording: in training LoraABackward stands for it in autograd.
-  at::Tensor x_c, w_c, a;
-  {
-    at::NoGradGuard no_grad;
-    x_c = x.scalar_type() == cd ? x : x.to(cd);
-    w_c = lora_A.scalar_type() == cd ? lora_A : lora_A.to(cd);
-    a = at::linear(x_c, w_c);
-    if (!a.is_contiguous()) a = a.contiguous();
+  // a = x A^T in the matmul dtype, as ops/compose.py `_lora_a`: under autocast with grad, autocast casts both
+  // operands; without grad, lora_A is cast here (autocast would keep its copy until its region ends).
+  at::Tensor a;
+  if (autocast) {
+    a = at::linear(x, grad || lora_A.scalar_type() == cd ? lora_A : lora_A.to(cd));
+  } else {
+    a = at::linear(x.scalar_type() == cd ? x : x.to(cd), lora_A);
   }
+  if (!a.is_contiguous()) a = a.contiguous();
   TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
-  if (!train) {  // (nothing keeps them: freed before the outputs are allocated)
-    x_c.reset();
-    w_c.reset();
-  }
   at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
@@ -373,14 +342,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
       integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
   };
   launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
-  if (train) {
-    auto a_node = make_node<LoraABackward>();
-    a_node->set_next_edges(torch::autograd::collect_next_edges(x, lora_A));
-    a_node->x_ = SavedVariable(x_c, false);
-    a_node->weight_ = SavedVariable(w_c, false);
-    torch::autograd::set_history(a, a_node);
-    hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd);
-  }
+  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd);
   return py::cast(y);
 }
 
