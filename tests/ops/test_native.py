@@ -235,3 +235,47 @@ def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, mon
     assert calls == [] and y.grad_fn.name() == "FlashDoraComposeBackward"
     y.backward(dy)
     assert not any(t.grad.isnan().any() for t in (x, lora_A, lora_B, mag))
+
+
+class _Switching:
+    """The extension, with its forward declining the calls ``python(n)`` picks (the n-th call, from 1)."""
+
+    def __init__(self, ext, python):
+        self.ext, self.python, self.calls = ext, python, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return None if self.python(self.calls) else self.ext.forward(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.ext, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", ["python", "cpp"])
+def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, first):
+    """A run files its plans during its first step, so under non-reentrant checkpointing a layer's forward may run
+    the Python path and its recompute the C++ one (or the reverse): both must save tensors of the same metadata
+    (the checkpoint checks them) and give the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.setattr(C, "_native", ext)
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
+    inputs = (x, lora_A, lora_B, mag)
+
+    def f(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0)
+
+    for _ in range(3):  # files both plans
+        torch.autograd.grad(f(x), inputs, dy)
+    want = torch.autograd.grad(f(x), inputs, dy)
+    switching = _Switching(ext, lambda n: (n == 1) == (first == "python"))
+    monkeypatch.setattr(C, "_native", switching)
+    got = torch.autograd.grad(checkpoint(f, x, use_reentrant=False), inputs, dy)
+    assert switching.calls == 2  # the forward, then its recompute
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
