@@ -13,14 +13,16 @@ the plans.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
 no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) on the first Triton-path call of a CUDA
-layer, into torch's extension cache, once per machine and torch version (about a minute; later processes load it in
-a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python path and never builds): it gives the Python
-path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA where the Python backward misses
-it (docs/decisions.md). A build that fails warns once (with the fix) and leaves the Python path.
+layer, into torch's extension cache, once per machine, torch version and version of its source (about a minute;
+later processes load it in a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python path and never
+builds): it gives the Python path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA
+where the Python backward misses it (docs/decisions.md). A build that fails warns once (with the fix) and leaves the
+Python path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -53,10 +55,13 @@ def _build() -> None:
     _tried = True
     from torch.utils.cpp_extension import load
 
-    name = "flashdora_native_" + re.sub(r"\W", "_", torch.__version__)  # (a build is tied to its torch's ABI)
+    # A build is tied to its torch's ABI and to its source: the hash keeps a cached build of other source (an older
+    # flashdora, whose installed file may be older than that build, which ninja's timestamps alone would keep) apart.
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    name = f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
     print(
-        f"flashdora: loading its C++ compose ({name}; built once per machine and torch version, about a minute; "
-        "FLASHDORA_NATIVE=0 skips it)",
+        f"flashdora: loading its C++ compose ({name}; built once per machine, torch version and flashdora source, "
+        "about a minute; FLASHDORA_NATIVE=0 skips it)",
         file=sys.stderr,
     )
     try:
