@@ -292,7 +292,8 @@ class NormGraph:
 
 
 def _holders(t: torch.Tensor) -> int | None:
-    """How many tensors (views included) share ``t``'s storage; ``None`` where this torch cannot say."""
+    """How many references ``t``'s storage has (each tensor or view on it, and a live storage object, holds one);
+    ``None`` where this torch cannot say."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     return None if count is None else count(t.untyped_storage()._cdata)
 
