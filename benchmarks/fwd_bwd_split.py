@@ -8,6 +8,8 @@ backward, gradients dropped):
 - ``loop``: the bench's number, the median of back-to-back calls timed by CUDA events;
 - ``host``: the time Python takes to issue one call with the queue empty at its start, and ``wall`` its event time;
 - ``gpu``: the sum of the call's kernel times (torch.profiler), the floor if the host were free;
+- ``forward``, ``backward``, ``drop``: each mode's host time in the loop for ``layer(x)``, ``y.backward(dy)`` and
+  dropping the gradients and the output (the queue is not drained between calls, as in the bench);
 - for flashdora, where the host time of the norm's recomputation goes, each piece timed inclusively in the loop.
 
 Usage: PYTHONPATH=src:benchmarks python3 benchmarks/fwd_bwd_split.py [--shape 4096x4096] [--rank 384]
@@ -43,13 +45,14 @@ torch.manual_seed(0)
 weight = torch.randn(d_out, d_in, device=dev, dtype=torch.bfloat16) / d_in**0.5
 x = torch.randn(args.tokens, d_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(args.tokens, d_out, device=dev, dtype=torch.bfloat16)
-steps = {}
+steps, layers = {}, {}
 for name, dora in (("peft_lora", False), ("peft_dora", True), ("flashdora", True)):
     torch.manual_seed(1)
     model, layer = build_layer(weight, args.rank, dora, "autocast")
     if name == "flashdora":
         flashdora.enable(model)
     steps[name] = step_fn(layer, x, dy, "fwd_bwd", autocast=True)
+    layers[name] = layer
 
 
 def gpu_us(step, n=10) -> float:
@@ -73,6 +76,43 @@ print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; median of {
 for name, cols in rows.items():
     cells = [f"{k} {statistics.median(v):7.1f} ({min(v):.0f}-{max(v):.0f})" for k, v in cols.items()]
     print(f"{name:10s} " + "  ".join(cells))
+
+
+def parts_us(layer) -> dict:
+    """Host us per call of the bench step's three parts, in a loop of ``args.calls`` calls."""
+    params = [q for q in layer.parameters() if q.requires_grad]
+    spent = defaultdict(float)
+    for i in range(10 + args.calls):
+        if i == 10:
+            torch.cuda.synchronize()
+            spent.clear()
+        torch.autograd.graph.increment_version(params)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        t1 = time.perf_counter()
+        y.backward(dy)
+        t2 = time.perf_counter()
+        x.grad = None
+        for q in params:
+            q.grad = None
+        del y
+        t3 = time.perf_counter()
+        spent["forward"] += t1 - t0
+        spent["backward"] += t2 - t1
+        spent["drop"] += t3 - t2
+    torch.cuda.synchronize()
+    return {k: v / args.calls * 1e6 for k, v in spent.items()}
+
+
+print("\n# host us per call by part, in the loop (median of turns)")
+parts = defaultdict(lambda: defaultdict(list))
+for _ in range(args.turns):
+    for name, layer in layers.items():
+        for k, v in parts_us(layer).items():
+            parts[name][k].append(v)
+for name, cols in parts.items():
+    print(f"{name:10s} " + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in cols.items()))
 
 # Where flashdora's norm recomputation spends host time inside the loop: inclusive timers on its pieces.
 spent = defaultdict(float)
