@@ -10,6 +10,7 @@ backward, gradients dropped):
 - ``gpu``: the sum of the call's kernel times (torch.profiler), the floor if the host were free;
 - ``forward``, ``backward``, ``drop``: each mode's host time in the loop for ``layer(x)``, ``y.backward(dy)`` and
   dropping the gradients and the output (the queue is not drained between calls, as in the bench);
+- flashdora's host-side CUDA runtime and driver calls in the loop, under torch.profiler (a ranking);
 - for flashdora, where the host time of the norm's recomputation goes, each piece timed inclusively in the loop.
 
 Usage: PYTHONPATH=src:benchmarks python3 benchmarks/fwd_bwd_split.py [--shape 4096x4096] [--rank 384]
@@ -113,6 +114,20 @@ for _ in range(args.turns):
             parts[name][k].append(v)
 for name, cols in parts.items():
     print(f"{name:10s} " + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in cols.items()))
+
+# The host's CUDA calls inside flashdora's loop (torch.profiler; slower than the plain loop: read as a ranking).
+step = steps["flashdora"]
+for _ in range(10):
+    step()
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+print("\n# flashdora loop under torch.profiler, 20 calls: host-side CUDA runtime and driver calls")
+events = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+    print(f"{e.key:40s} calls {e.count // 20:3d}/call  self cpu {e.self_cpu_time_total / 20:7.1f} us/call")
 
 # Where flashdora's norm recomputation spends host time inside the loop: inclusive timers on its pieces.
 spent = defaultdict(float)

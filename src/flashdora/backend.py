@@ -46,7 +46,9 @@ def env_str(raw) -> str:
 def switch(name: str, default: bool) -> bool:
     """An on/off environment switch: ``1``, ``true``, ``on`` or ``yes`` turn it on, ``0``, ``false``, ``off`` or
     ``no`` off; unset or anything else gives ``default``. Cheap enough for the layer path (a lookup and a cache)."""
-    return _switch_value(env_raw(name), default)
+    if os.environ is _ENVIRON and _ENV_DATA is not None and _ENV_ENCODE is not None:  # env_raw, inlined
+        return _switch_value(_ENV_DATA.get(_env_key(name)), default)
+    return _switch_value(os.environ.get(name), default)
 
 
 @functools.lru_cache(maxsize=32)

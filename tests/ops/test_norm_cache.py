@@ -286,6 +286,36 @@ def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
     assert cache["graph_captures"] == 1
 
 
+def test_a_miss_records_nothing_and_leaves_grad_mode_as_it_was(monkeypatch):
+    """A miss computes under grad off (the inputs are parameters) and restores the caller's grad mode, also when the
+    computation raises."""
+    from flashdora.ops import norm as norm_ops
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    w = torch.randn(12, 10)
+    a, b = torch.randn(3, 10, requires_grad=True), torch.randn(12, 3, requires_grad=True)
+    m = (w.norm(dim=1) * 1.1).requires_grad_()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            torch.autograd.graph.increment_version([a])
+            got = norm_ops.NormCache.lookup_owner(w, a, b, m, 0.5, owner)
+            assert torch.is_grad_enabled() is grad
+    assert got.grad_fn is None and not got.requires_grad
+
+    def boom(*args, **kwargs):
+        assert not torch.is_grad_enabled()
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(norm_ops, "_fresh", boom)
+    torch.autograd.graph.increment_version([a])
+    with pytest.raises(RuntimeError, match="boom"):
+        norm_ops.NormCache.lookup_owner(w, a, b, m, 0.5, owner)
+    assert torch.is_grad_enabled()
+
+
 def test_copies_of_a_model_get_their_own_cache():
     """deepcopy (EMA or reference models) and pickling start a layer's cache afresh, never share the original's."""
     import pickle
@@ -356,7 +386,7 @@ def test_norm_group_recomputes_every_training_layer_once_per_step(device, monkey
             torch.testing.assert_close(cache["norm"], fresh, rtol=1e-6, atol=0)
             torch.testing.assert_close(cache["scales"][0], owner.weight.detach() / fresh, rtol=1e-6, atol=0)
         weight = layers[0].get_base_layer().weight
-        group = norm_group._STATES[(weight.device.type, weight.device.index)].group
+        group = norm_group._STATES[weight.get_device()].group
         if step < 4:  # built at the first miss after the first optimizer step, run once a step since
             assert group is not None and len(group.members) == len(layers)
             assert group.runs == step + 1

@@ -291,11 +291,13 @@ class NormGraph:
         return self.out
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _holders(t: torch.Tensor) -> int | None:
     """How many references ``t``'s storage has (each tensor or view on it, and a live storage object, holds one);
     ``None`` where this torch cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(t.untyped_storage()._cdata)
+    return None if _USE_COUNT is None else _USE_COUNT(t.untyped_storage()._cdata)
 
 
 def scales_from_norm(magnitude, norm) -> torch.Tensor:

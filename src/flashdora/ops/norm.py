@@ -156,8 +156,10 @@ def _switch_on(name: str) -> bool:
 
 def cache_enabled() -> bool:
     """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
-    return _switch_on("FLASHDORA_NORM_CACHE")
+    return backend.switch("FLASHDORA_NORM_CACHE", True)
 
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 _storage_numbers = itertools.count(1)
 
@@ -178,7 +180,8 @@ def _storage_number(t) -> int:
 
 
 def _tensor_keys(w, a, b, m) -> tuple:
-    """The cache key of each of a layer's four tensors, written out in one call (this runs on every layer call).
+    """The cache key of each of a layer's four tensors, written out in one call (this runs on every layer call):
+    ``(where, storage number, version)``, with ``where`` the address, shape, strides, dtype and device.
 
     The version counter moves on every in-place write through autograd-visible aliases (load_state_dict, copy_
     under no_grad, for-loop and foreach optimizers); the storage number moves when storage is swapped (`.data =`,
@@ -186,18 +189,18 @@ def _tensor_keys(w, a, b, m) -> tuple:
     """
     n = _storage_number
     return (
-        (w.data_ptr(), w._version, n(w), w.shape, w.stride(), w.dtype, w.device),
-        (a.data_ptr(), a._version, n(a), a.shape, a.stride(), a.dtype, a.device),
-        (b.data_ptr(), b._version, n(b), b.shape, b.stride(), b.dtype, b.device),
-        (m.data_ptr(), m._version, n(m), m.shape, m.stride(), m.dtype, m.device),
+        ((w.data_ptr(), w.shape, w.stride(), w.dtype, w.device), n(w), w._version),
+        ((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device), n(a), a._version),
+        ((b.data_ptr(), b.shape, b.stride(), b.dtype, b.device), n(b), b._version),
+        ((m.data_ptr(), m.shape, m.stride(), m.dtype, m.device), n(m), m._version),
     )
 
 
 def _storage(keys: tuple, scaling: float, w_sq) -> tuple:
-    """Where a norm graph reads its inputs: address, shape, strides, dtype and device of the four ``keys`` (never
-    their version counters or storage numbers: new values, or a new storage, at the same address are what a graph
-    replay reads), ``scaling`` and the ``||W||^2`` buffer."""
-    return tuple(k[:1] + k[3:] for k in keys) + (scaling, w_sq.data_ptr())
+    """Where a norm graph reads its inputs: the ``where`` part of the four ``keys`` (never their version counters or
+    storage numbers: new values, or a new storage, at the same address are what a graph replay reads), ``scaling``
+    and the ``||W||^2`` buffer's address."""
+    return (keys[0][0], keys[1][0], keys[2][0], keys[3][0], scaling, w_sq.data_ptr())
 
 
 _optimizer_steps = 0
@@ -239,6 +242,12 @@ def graphs_enabled() -> bool:
     return _switch_on("FLASHDORA_NORM_GRAPH")
 
 
+def _graphable(weight) -> bool:
+    """CUDA graphs for this layer's norm: CUDA tensors (the Triton path also runs on CPU ones, interpreted) and
+    ``FLASHDORA_NORM_GRAPH`` on."""
+    return weight.is_cuda and graphs_enabled()
+
+
 _MAX_CAPTURES = 3  # per layer: storage that keeps moving (e.g. parameters gathered into new buffers) stops capturing
 
 
@@ -262,8 +271,7 @@ def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitud
         return both[0], both[1:]
     fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
     captures = cache.get("graph_captures", 0)
-    graphable = weight.is_cuda and graphs_enabled()  # the Triton path also runs on CPU tensors, interpreted
-    if graphable and captures < _MAX_CAPTURES and not torch.cuda.is_current_stream_capturing():
+    if _graphable(weight) and captures < _MAX_CAPTURES and not torch.cuda.is_current_stream_capturing():
         cache["graph_captures"] = captures + 1
         cache.pop("graph", None)
         from flashdora.kernels.norm import NormGraph
@@ -316,8 +324,14 @@ class NormCache:
         if cache.get("scales_key") == full_key:
             backend.count("norm:cached")
             return cache["scales"]
-        with torch.no_grad():  # the inputs may be parameters (eager calls skip the detach): nothing to record
+        # The inputs may be parameters (eager calls skip the detach): nothing to record. (torch.no_grad's context
+        # manager costs several times this toggle, on every miss.)
+        grad = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
             return cls._update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, owner)
+        finally:
+            _set_grad_enabled(grad)
 
     @staticmethod
     def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, owner):
@@ -331,7 +345,7 @@ class NormCache:
                 grouped = norm_group.enabled()
                 fresh = norm_group.recompute(owner, weight) if grouped else None
                 if fresh is None:
-                    storage = _storage((*key[:3], full_key[1]), scaling, w_sq)
+                    storage = (key[0][0], key[1][0], key[2][0], full_key[1][0], scaling, w_sq.data_ptr())  # _storage
                     fresh = _fresh_graphed(cache, storage, weight, lora_A, lora_B, magnitude, scaling, w_sq)
                     if grouped:
                         norm_group.note(owner, cache, weight, lora_A, lora_B, magnitude, scaling, storage)

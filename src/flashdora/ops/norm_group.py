@@ -25,7 +25,7 @@ import torch
 
 from flashdora import backend
 
-_STATES: dict[tuple, _State] = {}
+_STATES: dict[int, _State] = {}  # by device index (``Tensor.get_device()``: -1 for the CPU)
 
 
 class _Member:
@@ -55,13 +55,11 @@ class _State:
 
 
 def enabled() -> bool:
-    from flashdora.ops.norm import _switch_on
-
-    return _switch_on("FLASHDORA_NORM_GROUP")
+    return backend.switch("FLASHDORA_NORM_GROUP", True)
 
 
-def _state(device: torch.device) -> _State:
-    key = (device.type, device.index)
+def _state(weight: torch.Tensor) -> _State:
+    key = weight.get_device()
     st = _STATES.get(key)
     if st is None:
         st = _STATES[key] = _State()
@@ -75,8 +73,7 @@ def recompute(owner, weight) -> tuple | None:
     A candidate's second miss with no group run in between builds the group first, from the earlier group's
     members and every candidate: a whole step has passed since it joined, and every layer that trains has joined.
     """
-    device = weight.device
-    st = _STATES.get((device.type, device.index))
+    st = _STATES.get(weight.get_device())
     if st is None or (st.group is None and len(st.pending) < 2):  # a lone layer: no group to run or build
         return None
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -107,7 +104,7 @@ def note(owner, cache: dict, weight, lora_A, lora_B, magnitude, scaling: float, 
         return
     if not (lora_A.requires_grad or lora_B.requires_grad or magnitude.requires_grad):
         return
-    st = _state(weight.device)
+    st = _state(weight)
     member = st.pending.get(id(owner))
     if member is None or member.storage != storage:
         st.pending[id(owner)] = _Member(owner, (weight, lora_A, lora_B, magnitude), scaling, storage)
@@ -119,7 +116,9 @@ def forget(device: torch.device | None = None) -> None:
     if device is None:
         _STATES.clear()
     else:
-        _STATES.pop((device.type, device.index), None)
+        device = torch.device(device)
+        index = device.index if device.type == "cuda" else -1
+        _STATES.pop(torch.cuda.current_device() if index is None else index, None)
 
 
 class _Group:
