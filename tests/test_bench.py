@@ -2,11 +2,13 @@
 
 import argparse
 import json
+import statistics
 
 import pytest
 import torch
 import transformers
 
+import flashdora
 from flashdora.bench import layer, model, record
 from flashdora.cli import main
 
@@ -203,3 +205,44 @@ def test_device_slug():
 
 def test_table_escapes_pipes():
     assert record.table(["check"], [["mean |delta loss|"]]).splitlines()[-1] == "| mean \\|delta loss\\| |"
+
+
+def test_layer_interleave_times_modes_call_by_call(tmp_path, monkeypatch):
+    calls = []
+    built = {}
+
+    def step(lay, *a):
+        name = next(m for m, (_, layer) in built.items() if layer is lay)
+        return lambda: calls.append(name)
+
+    real = layer.build_layers
+    monkeypatch.setattr(layer, "build_layers", lambda *a: built.update(real(*a)) or built)
+    monkeypatch.setattr(layer, "step_fn", step)
+    argv = ["layer", "--shapes", "16x24", "--ranks", "2", "--tokens", "4", "--dtypes", "autocast", "--no-kernels"]
+    argv += ["--phases", "forward", "--reps", "4", "--warmup", "1", "--interleave"]
+    result, files = run_bench(tmp_path, *argv)
+    modes = ["peft_lora", "peft_dora", "flashdora"]
+    # Per mode: 1 warm-up + min(reps, 5) calls for memory; then 4 timed steps, each mode once, the order rotated.
+    assert calls[:15] == [m for m in modes for _ in range(5)]
+    assert calls[15:] == modes + modes[1:] + modes[:1] + modes[2:] + modes[:2] + modes
+    assert result["protocol"]["interleave"] and result["protocol"]["order"].startswith("interleaved")
+    for r in result["rows"]:
+        assert len(r["times_ms"]) == 4 and r["ms"] == statistics.median(r["times_ms"]), r
+    assert "call by call" in files[".md"].read_text()
+    with pytest.raises(SystemExit, match="--interleave .* no --rounds"):
+        main(["bench", *argv, "--rounds", "2", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_build_layers_share_values_across_modes():
+    weight = torch.randn(24, 16, dtype=torch.bfloat16)
+    layers = layer.build_layers(weight, 4, "autocast", ["peft_lora", "peft_dora", "flashdora"])
+    (_, lora), (_, dora), (_, fd) = layers.values()
+    for name in ("lora_A", "lora_B"):
+        w = getattr(dora, name)["default"].weight
+        assert torch.equal(getattr(lora, name)["default"].weight, w)
+        assert torch.equal(getattr(fd, name)["default"].weight, w)
+    m = dora.lora_magnitude_vector["default"].weight
+    assert torch.equal(fd.lora_magnitude_vector["default"].weight, m)
+    assert fd.lora_magnitude_vector["default"].weight is not m
+    assert flashdora.peft_integration.layer_path(fd, "default").startswith("flashdora")
+    assert flashdora.peft_integration.layer_path(dora, "default") == "peft"

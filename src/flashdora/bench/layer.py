@@ -2,8 +2,9 @@
 
 Each (shape, rank, dtype) builds one bf16 ``nn.Linear`` weight, wraps it with PEFT twice (LoRA and DoRA, the same
 ``lora_A``/``lora_B`` values, ``lora_B`` non-zero) and times every (tokens, phase, mode) on the same ``x`` and
-``dy``. ``flashdora`` is the PEFT DoRA layer after ``flashdora.enable``; ``peft_dora`` the same layer after
-``flashdora.disable``. Each ``fwd_bwd`` call first marks the trainable parameters as changed (as an optimizer step
+``dy``. ``flashdora`` is a PEFT DoRA layer after ``flashdora.enable``; ``peft_dora`` its twin (same adapter and
+magnitude values) after ``flashdora.disable``. ``--interleave`` times the modes call by call instead of in blocks
+(``timing.measure_interleaved``). Each ``fwd_bwd`` call first marks the trainable parameters as changed (as an optimizer step
 would), so flashdora recomputes its cached norm every call; ``forward`` keeps the cache (fixed weights). The kernel
 sections live in ``bench/kernels.py``. Protocol and result keys: docs/benchmarks.md.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import statistics
+import sys
 from collections import OrderedDict
 
 import torch
@@ -73,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="time every (tokens, phase) this many times over its modes, every second round in reverse order, and "
         "pool the rounds' calls (the median of all of them; round_ms: each round's median)",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the modes call by call (every timed step runs each mode once, the order rotated step by step), so "
+        "a change of the host's load hits every mode alike; --reps calls per mode; peak memory from a separate run of "
+        "each mode (at most 5 calls); not with --rounds",
     )
     parser.add_argument(
         "--norm-shape",
@@ -140,38 +150,71 @@ def step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, phase: str, aut
     return fwd_bwd
 
 
-def _measure_mode(fn, args, device) -> dict:
+def _measure_mode(fn, args, device, reps: int | None = None) -> dict:
     """ms / peak extra MiB of one mode and the flashdora paths it took."""
     flashdora.reset_stats()
-    got = timed(fn, warmup=args.warmup, reps=args.reps, device=device)
+    got = timed(fn, warmup=args.warmup, reps=args.reps if reps is None else reps, device=device)
     return {**got, "paths": sorted(k for k in flashdora.stats() if not k.startswith("norm"))}
+
+
+def build_layers(weight, rank: int, dtype_mode: str, modes) -> dict:
+    """One PEFT model per mode, ``{mode: (model, layer)}``, with the same ``lora_A``, ``lora_B`` and (DoRA)
+    magnitude values: ``peft_dora`` pinned to PEFT's forward (``flashdora.disable``), ``flashdora`` to ours."""
+    layers = {}
+    for mode in modes:
+        model, layer = layers[mode] = build_layer(weight, rank, mode != "peft_lora", dtype_mode)
+        if mode != "peft_lora":
+            (flashdora.enable if mode == "flashdora" else flashdora.disable)(model)
+    dora = [layer for mode, (_, layer) in layers.items() if mode != "peft_lora"]
+    src = dora[0] if dora else None  # every other layer takes its values (the magnitude too, where it has one)
+    with torch.no_grad():
+        for mode, (_, layer) in layers.items():
+            names = ("lora_A", "lora_B") + (("lora_magnitude_vector",) if mode != "peft_lora" else ())
+            for name in names if src is not None and layer is not src else ():
+                getattr(layer, name)["default"].weight.copy_(getattr(src, name)["default"].weight)
+    return layers
+
+
+def _interleaved(layers, x, dy, phase, autocast, args, device, progress) -> dict[str, dict]:
+    """Each mode's row, its calls timed in turn with every other mode's (``timing.measure_interleaved``); peak
+    memory and paths from a separate run of at most 5 calls per mode. A mode that fails there is left out."""
+    fns = {mode: step_fn(layers[mode][1], x, dy, phase, autocast) for mode in args.modes}
+    got = {}
+    for mode, fn in fns.items():
+        timing.free_memory(device)
+        got[mode] = _measure_mode(fn, args, device, reps=min(args.reps, 5))
+        progress()
+    live = {mode: fn for mode, fn in fns.items() if got[mode]["ms"] is not None}
+    timing.free_memory(device)
+    try:
+        times = timing.measure_interleaved(live, reps=args.reps, device=device) if live else {}
+    except Exception as e:  # noqa: BLE001 - recorded in every row and printed, as ``timed`` does
+        timing.free_memory(device)
+        error = f"interleaved: {type(e).__name__}: {e}"[:300]
+        print(f"bench: rows failed: {error}", file=sys.stderr)
+        return {mode: {**row, "ms": None, "error": error} for mode, row in got.items()}
+    for mode, t in times.items():
+        got[mode].update(ms=statistics.median(t), times_ms=t)
+    return got
 
 
 def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]:
     """All (tokens, phase, mode) rows of one (shape, rank, dtype)."""
     d_out, d_in = weight.shape
-    layers = {}
-    if "peft_lora" in args.modes:
-        layers["peft_lora"] = build_layer(weight, rank, False, dtype_mode)
-    if {"peft_dora", "flashdora"} & set(args.modes):
-        layers["dora"] = build_layer(weight, rank, True, dtype_mode)
-        if "peft_lora" in layers:  # the same adapter values in both
-            lora, dora = layers["peft_lora"][1], layers["dora"][1]
-            with torch.no_grad():
-                lora.lora_A["default"].weight.copy_(dora.lora_A["default"].weight)
-                lora.lora_B["default"].weight.copy_(dora.lora_B["default"].weight)
+    layers = build_layers(weight, rank, dtype_mode, args.modes)
+    autocast = dtype_mode == "autocast"
     rows = []
     for tokens, phase in itertools.product(args.tokens, args.phases):
         x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=phase == "fwd_bwd")
         dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
         got = {mode: [] for mode in args.modes}
-        for k in range(args.rounds):  # every second round reversed: no mode always runs right after another
+        if args.interleave:
+            for mode, row in _interleaved(layers, x, dy, phase, autocast, args, device, progress).items():
+                got[mode].append(row)
+        for k in range(0 if args.interleave else args.rounds):  # every second round reversed (no fixed neighbour)
             for mode in args.modes if k % 2 == 0 else args.modes[::-1]:
-                model, layer = layers["peft_lora" if mode == "peft_lora" else "dora"]
-                if mode != "peft_lora":
-                    (flashdora.enable if mode == "flashdora" else flashdora.disable)(model)
                 timing.free_memory(device)
-                fn = step_fn(layer, x, dy, phase, dtype_mode == "autocast")
+                fn = step_fn(layers[mode][1], x, dy, phase, autocast)
                 got[mode].append(_measure_mode(fn, args, device))
                 progress()
         for mode in args.modes:
@@ -225,6 +268,13 @@ def ratios(rows: list[dict]) -> list[dict]:
     ]
 
 
+_ORDERS = {
+    (False, False): "as listed",
+    (False, True): "alternating: every second round runs the modes reversed",
+    (True, False): "interleaved: every timed step runs each mode once, the order rotated step by step",
+}
+
+
 def run(args) -> int:
     from rich.progress import Progress
 
@@ -234,15 +284,20 @@ def run(args) -> int:
             f"bench layer: --reps and --rounds expected >= 1 and --warmup >= 0, got {args.reps}, {args.rounds} and "
             f"{args.warmup}"
         )
+    if args.interleave and args.rounds > 1:
+        raise SystemExit("bench layer: --interleave times the modes call by call; it takes no --rounds (got "
+                         f"{args.rounds}): raise --reps instead")  # fmt: skip
     torch.manual_seed(args.seed)
     protocol = {
         "warmup": args.warmup,
         "reps": args.reps,
         "rounds": args.rounds,
+        "interleave": args.interleave,
         "statistic": "median" if args.rounds == 1 else "median of all rounds' timed calls (round_ms: each round's)",
-        "order": "as listed" if args.rounds == 1 else "alternating: every second round runs the modes reversed",
+        "order": _ORDERS[(args.interleave, args.rounds > 1)],
         "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
-        "memory": "max_memory_allocated over the timed calls minus memory_allocated before them",
+        "memory": "max_memory_allocated over the timed calls minus memory_allocated before them"
+        + (" (a separate run of at most 5 calls per mode)" if args.interleave else ""),
         "lora_alpha": "= rank (scaling 1)",
         "lora_dropout": 0.0,
         "init_lora_weights": False,
@@ -307,6 +362,8 @@ def render_markdown(result: dict) -> str:
             by_round = q.get("flashdora_over_lora_by_round")
             line.append(", ".join(f"{v:.2f}" for v in by_round) if by_round and None not in by_round else None)
     pooled = f"pooled over {n_rounds} rounds in alternating order; " if n_rounds > 1 else ""
+    if result["protocol"].get("interleave"):
+        pooled = "the modes timed call by call in rotating order; "
     out = [
         record.header(result, "flashdora bench layer"),
         "",
