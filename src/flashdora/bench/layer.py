@@ -81,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interleave",
         action="store_true",
         help="time the modes call by call (every timed step runs each mode once, the order rotated step by step), so "
-        "a change of the host's load hits every mode alike; --reps calls per mode; peak memory from a separate run of "
-        "each mode (at most 5 calls); not with --rounds",
+        "a change of the host's load hits every mode alike, but no mode runs right after itself as a model's layers "
+        "do (a colder host: docs/decisions.md); --reps calls per mode; peak memory from a separate run of each mode "
+        "(at most 5 calls); not with --rounds",
     )
     parser.add_argument(
         "--norm-shape",

@@ -74,9 +74,11 @@ def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str)
 
 def measure_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, device) -> dict[str, list[float]]:
     """Milliseconds of ``reps`` calls of each of ``fns``, taken call by call: timed step ``k`` runs every callable once,
-    starting with the ``k``-th (the order rotates, so each callable runs after each other one equally often). A
-    change of the host's load between steps then hits every callable alike, where timing each one's calls in a block
-    of its own lets it land on one of them. No warm-up here; results are dropped at once."""
+    starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before which, is
+    ``fns``' own). A change of the host's load between steps then hits every callable alike, where timing each one's
+    calls in a block of its own lets it land on one of them. But no callable runs right after itself, as a model's
+    layers do: its host code and data start colder (docs/decisions.md). No warm-up here; results are dropped at once.
+    """
     if reps < 1:
         raise ValueError(f"measure_interleaved: reps expected >= 1, got {reps}")
     names = list(fns)
