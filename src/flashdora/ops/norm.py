@@ -149,11 +149,6 @@ def _fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) 
     return norm, scales(magnitude, norm)
 
 
-def _switch_on(name: str) -> bool:
-    """An on/off environment switch, on by default; ``0``, ``false``, ``off`` or ``no`` turns it off."""
-    return backend.switch(name, True)
-
-
 def cache_enabled() -> bool:
     """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false`` or ``off`` turns the norm cache off everywhere."""
     return backend.switch("FLASHDORA_NORM_CACHE", True)
@@ -239,7 +234,7 @@ class _Entries(dict):
 
 def graphs_enabled() -> bool:
     """``FLASHDORA_NORM_GRAPH`` (default on): replay each layer's norm computation as a CUDA graph."""
-    return _switch_on("FLASHDORA_NORM_GRAPH")
+    return backend.switch("FLASHDORA_NORM_GRAPH", True)
 
 
 def _graphable(weight) -> bool:
@@ -345,7 +340,7 @@ class NormCache:
                 grouped = norm_group.enabled()
                 fresh = norm_group.recompute(owner, weight) if grouped else None
                 if fresh is None:
-                    storage = (key[0][0], key[1][0], key[2][0], full_key[1][0], scaling, w_sq.data_ptr())  # _storage
+                    storage = _storage((*key[:3], full_key[1]), scaling, w_sq)
                     fresh = _fresh_graphed(cache, storage, weight, lora_A, lora_B, magnitude, scaling, w_sq)
                     if grouped:
                         norm_group.note(owner, cache, weight, lora_A, lora_B, magnitude, scaling, storage)
