@@ -73,36 +73,33 @@ def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str)
 
 
 def measure_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, device) -> dict[str, list[float]]:
-    """Milliseconds of ``reps`` calls of each of ``fns``, taken call by call: timed step ``k`` runs every callable once,
-    starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before which, is
-    ``fns``' own). A change of the host's load between steps then hits every callable alike, where timing each one's
-    calls in a block of its own lets it land on one of them. But no callable runs right after itself, as a model's
-    layers do: its host code and data start colder (docs/decisions.md). No warm-up here; results are dropped at once.
+    """Milliseconds of ``reps`` calls of each of ``fns``, taken call by call: timed step ``k`` runs every callable
+    once, starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before
+    which, is ``fns``' own). A change of the host's load between steps then hits every callable alike, where timing
+    each one's calls in a block of its own lets it land on one of them. But no callable runs right after itself, as
+    a model's layers do: its host code and data start colder (docs/decisions.md). No warm-up here; results are
+    dropped at once.
     """
     if reps < 1:
         raise ValueError(f"measure_interleaved: reps expected >= 1, got {reps}")
     names = list(fns)
-    order = [[names[(k + i) % len(names)] for i in range(len(names))] for k in range(reps)]
+    calls = [names[(k + i) % len(names)] for k in range(reps) for i in range(len(names))]  # step k, in turn
     times: dict[str, list[float]] = {name: [] for name in names}
     if not is_cuda(device):
-        for step in order:
-            for name in step:
-                t0 = time.perf_counter()
-                fns[name]()
-                times[name].append((time.perf_counter() - t0) * 1e3)
+        for name in calls:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
         return times
     synchronize(device)
-    pair = lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # noqa: E731
-    events = [[pair() for _ in names] for _ in order]
-    for step, pairs in zip(order, events):
-        for name, (start, end) in zip(step, pairs):
-            start.record()
-            fns[name]()
-            end.record()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
+    for name, (start, end) in zip(calls, events):
+        start.record()
+        fns[name]()
+        end.record()
     torch.cuda.synchronize(device)
-    for step, pairs in zip(order, events):
-        for name, (start, end) in zip(step, pairs):
-            times[name].append(start.elapsed_time(end))
+    for name, (start, end) in zip(calls, events):
+        times[name].append(start.elapsed_time(end))
     return times
 
 
