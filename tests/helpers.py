@@ -48,3 +48,18 @@ def dora_inputs(d_in, d_out, r, lead=(2, 3), dtype=torch.float32, device="cpu", 
     else:
         magnitude = (norm * (0.5 + torch.rand_like(norm))).float()
     return dict(x=x, weight=weight, bias=b, lora_A=lora_A, lora_B=lora_B, magnitude=magnitude, scaling=scaling)
+
+
+def backward_order(y: torch.Tensor) -> list[str]:
+    """Runs ``y``'s backward and says in what order the compose node's first two inputs ran: each node of the base
+    layer's chain (``base``, down to the input's leaf) and the LoRA A matmul's node (``a``), from prehooks."""
+    base, a = (y.grad_fn.next_functions[i][0] for i in (0, 1))
+    order = []
+    node = base
+    while node is not None and type(node).__name__ != "AccumulateGrad":
+        node.register_prehook(lambda grads: order.append("base"))
+        node = next((f for f, _ in node.next_functions if f is not None and "AccumulateGrad" not in type(f).__name__),
+                    None)  # fmt: skip
+    a.register_prehook(lambda grads: order.append("a"))
+    y.backward(torch.randn_like(y))
+    return order

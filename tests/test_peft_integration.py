@@ -9,7 +9,7 @@ import flashdora
 from flashdora import peft_integration
 from flashdora.demo import build_peft_model
 from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
-from tests.helpers import rel_err
+from tests.helpers import backward_order, rel_err
 from tests.peft_models import (  # noqa: F401 (unpatched: an autouse fixture)
     MODELS,
     assert_grads_close,
@@ -245,3 +245,20 @@ def test_disable_pins_peft_class():
     assert all(
         type(v) is PeftDoraLinearVariant for m in model.modules() for v in getattr(m, "lora_variant", {}).values()
     )
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_base_layer_backward_runs_before_the_lora_a_matmul(monkeypatch, lead, bias):
+    """The base layer's gradient ``g dy`` is freed before the LoRA A path allocates its ``d x`` (one block less at
+    the peak, ``ops.compose.after_base``). Without the reordering the A matmul's node runs first."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 12, bias=bias)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    model = flashdora.enable(get_peft_model(torch.nn.Sequential(linear), config))
+    layer = model.base_model.model[0]
+    x = torch.randn(*lead, 16, requires_grad=True)
+    order = backward_order(layer(x))
+    assert "a" in order and set(order[:-1]) == {"base"} and order[-1] == "a"
+    monkeypatch.setattr(peft_integration, "after_base", lambda: -1)
+    assert backward_order(layer(x))[0] == "a"

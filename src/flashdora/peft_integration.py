@@ -23,7 +23,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
-from flashdora.ops.compose import compose, compose_eager
+from flashdora.ops.compose import after_base, compose, compose_eager
 from flashdora.ops.norm import NormCache, dora_scales
 
 _PEFT_DORA = variants.DoraLinearVariant
@@ -89,8 +89,10 @@ def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kw
     return peft_forward(module, active_adapter, x, result, **kwargs)
 
 
-def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs):
-    """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``."""
+def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, **kwargs):
+    """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
+
+    ``_seq``: ``ops.compose.after_base()`` taken right before the base layer ran (``_lean_forward``), else -1."""
     mods = module._modules
     base = _base_layer(module)
     weight = _param(base, "weight")
@@ -106,15 +108,22 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         )
     weight = weight.T if module.fan_in_fan_out else weight
     scaling = float(module.scaling[active_adapter])
+    dropout = mods["lora_dropout"]._modules[active_adapter]
+    plain = not module.training or isinstance(dropout, nn.Identity)
     if torch.compiler.is_compiling():
         scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
-        run = compose
-    else:  # eager: the cache by its owner, and the compose without the compile checks
-        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
-        run = compose_eager
-    dropout = mods["lora_dropout"]._modules[active_adapter]
-    if not module.training or isinstance(dropout, nn.Identity):
-        return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
+        if plain:
+            return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
+        return _with_dropout(compose, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling)
+    # eager: the cache by its owner, and the compose without the compile checks
+    scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
+    if plain:
+        return compose_eager(result, x, lora_A, lora_B, magnitude, scales, scaling, _param(base, "bias"), None, _seq)
+    return _with_dropout(compose_eager, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling)
+
+
+def _with_dropout(run, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling):
+    """PEFT's DoRA with an active dropout: ``lx_base = dropout(x) W^T``, then the compose in its ``lx_base`` form."""
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
@@ -222,10 +231,11 @@ def _lean_forward(self, x, *args, **kwargs):
         or not _runs_flashdora(type(self.lora_variant.get(active)))
     ):  # fmt: skip
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
+    seq = after_base()
     result = mods["base_layer"](x)
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
-    result = flash_forward(self, active, x, result)
+    result = flash_forward(self, active, x, result, seq)
     return result if result.dtype == dtype else result.to(dtype)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from flashdora import native
 from flashdora.ops import compose as C
 from flashdora.ops.norm import _fresh
+from tests.helpers import backward_order
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +194,14 @@ def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_pla
     scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
     result = F.linear(x, w).detach()
     with torch.no_grad():
-        assert ext.forward(result.transpose(0, 1), x, lora_A, lora_B, mag, scales, None, 1.0) is None  # strided
-        assert ext.forward(result.cpu(), x.cpu(), lora_A, lora_B, mag, scales, None, 1.0) is None  # not CUDA
+        assert ext.forward(result.transpose(0, 1), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # strided
+        assert ext.forward(result.cpu(), x.cpu(), lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # not CUDA
     with torch.enable_grad():  # grad on, a frozen magnitude: the Python autograd.Function's case
-        assert ext.forward(result, x, lora_A, lora_B, mag.detach(), scales, None, 1.0) is None
+        assert ext.forward(result, x, lora_A, lora_B, mag.detach(), scales, None, 1.0, -1) is None
     # A shape whose plans never come (never filed here): declined for good after a bounded number of misses.
     odd = torch.randn(3, 17, 48, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        got = [ext.forward(odd, x.new_empty(3, 17, 32), lora_A, lora_B, mag, scales, None, 0.25) for _ in range(80)]
+        got = [ext.forward(odd, x.new_empty(3, 17, 32), lora_A, lora_B, mag, scales, None, 0.25, -1) for _ in range(80)]
     assert got[0] is False and got[-1] is None and got.index(None) <= 65
 
 
@@ -208,7 +209,7 @@ def test_cpu_forward_is_left_to_the_python_path(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float32, torch.float32)
     scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
     with torch.no_grad():
-        assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0) is None  # CUDA only
+        assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # CUDA only
 
 
 @pytest.mark.gpu
@@ -266,9 +267,10 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
     inputs = (x, lora_A, lora_B, mag)
 
-    def f(x):
+    def f(x):  # as the PEFT seam calls it: the sequence number taken before the base layer
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0)
+            seq = C.after_base()
+            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
 
     for _ in range(3):  # files both plans
         torch.autograd.grad(f(x), inputs, dy)
@@ -279,3 +281,39 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
     assert switching.calls == 2  # the forward, then its recompute
     for g, ref in zip(got, want, strict=True):
         torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_cpp_forward_runs_the_base_layers_backward_first_and_peaks_lower(ext, monkeypatch):
+    """The C++ forward gives the LoRA A matmul's node the sequence number ``after_base`` took, as the Python path
+    does: the base layer's backward runs first and frees ``g dy`` before the A path's ``d x`` exists, one
+    ``[tokens, d_out]`` block less at the backward's peak. With ``seq = -1`` the A path runs first."""
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.setattr(C, "_native", ext)
+    t, d = 2048, 1024
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.bfloat16, t, d, d, 16)
+    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    dy = torch.randn(2, t, d, device="cuda", dtype=torch.bfloat16)
+
+    def forward(reorder: bool):
+        seq = C.after_base() if reorder else -1
+        return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
+
+    for _ in range(3):  # files both plans
+        forward(True).backward(dy)
+    peaks = {}
+    for reorder in (False, True, False, True):
+        y = forward(reorder)
+        assert y.grad_fn.name() == "FlashDoraComposeBackward"
+        x.grad = lora_A.grad = lora_B.grad = mag.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y.backward(dy)
+        torch.cuda.synchronize()
+        peaks[reorder] = torch.cuda.max_memory_allocated() - base
+    block = 2 * t * d * 2  # one [2, t, d] bf16 gradient
+    assert peaks[True] <= peaks[False] - block // 2, peaks
+    order = backward_order(forward(True))
+    assert set(order[:-1]) == {"base"} and order[-1] == "a"
+    assert backward_order(forward(False))[0] == "a"

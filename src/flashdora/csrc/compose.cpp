@@ -285,7 +285,7 @@ constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
 // files it). The checks come before any work: a call it declines has launched nothing.
 py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
-                   double scaling) {
+                   double scaling, int64_t seq) {
   if (!result.is_cuda() || result.dim() < 1 || !result.is_contiguous() || result.numel() == 0) return py::none();
   const int64_t n = result.size(-1), t = result.numel() / n, r = lora_A.size(0);
   const bool grad = at::GradMode::is_enabled();
@@ -333,6 +333,8 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   }
   if (!a.is_contiguous()) a = a.contiguous();
   TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
+  // ops/compose.py `_after_base`: the A matmul's backward waits for the base layer's (seq: below the base's nodes).
+  if (train && seq >= 0 && a.grad_fn()) a.grad_fn()->set_sequence_nr(static_cast<uint64_t>(seq));
   at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;

@@ -226,29 +226,46 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
 
 
-def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None) -> Tensor:
+def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1) -> Tensor:
     """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check).
 
     On the Triton path a call without ``lx_base`` runs in ``flashdora.native``'s C++ forward once that holds the
-    launch plans of its kernels; the call that finds none runs the Python path below and files them."""
+    launch plans of its kernels; the call that finds none runs the Python path below and files them. ``seq``: see
+    ``after_base``."""
     unplanned = False
     if lx_base is None and result.is_cuda and native.enabled() and backend.use_triton(result):
         mod = _native if _native is not None else _load_native()
         if mod is not False and not (torch.is_grad_enabled() and torch._C._are_functorch_transforms_active()):
-            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling))
+            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq)
             if y is not None and y is not False:
                 backend.count("triton")
                 if torch.is_grad_enabled():
                     backend.count("native")
                 return y
             unplanned = y is False
-    y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
+    y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if unplanned:
         _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias)
     return y
 
 
-def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base) -> Tensor:
+def after_base() -> int:
+    """The ``seq`` to give ``compose_eager`` when it is called right before the base layer runs (-1 without grad).
+
+    The autograd engine runs ready nodes highest sequence number first. The base layer and the LoRA A matmul both
+    wait on the compose's backward; the A matmul, recorded later, would run first and allocate its ``d x`` while
+    ``g dy``, the base layer's gradient, still waits (one ``[tokens, d_out]`` block more at the step's peak). Its
+    node gets a sequence number just below every node the base layer records, so the base runs first and frees
+    ``g dy`` before. Only the order of ready nodes changes (docs/decisions.md)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # (compiled graphs order their own backward)
+        return -1
+    return max(_sequence_nr() - 1, 0)
+
+
+_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq=-1) -> Tensor:
     device_type = result.device.type
     autocast = torch.is_autocast_enabled(device_type)
     cd = _compute_dtype(device_type, lora_A, autocast)
@@ -257,6 +274,8 @@ def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias
         return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, backend.use_triton(result))[0]
     if torch._C._are_functorch_transforms_active():
         return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+    if seq >= 0 and a.grad_fn is not None:
+        a.grad_fn._set_sequence_nr(seq)
     if lx_base is None and result.is_cuda and magnitude.requires_grad:
         y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd)
         if y is not None:
