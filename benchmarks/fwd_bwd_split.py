@@ -175,3 +175,38 @@ for label, s in spent.items():
 paths = {k: v - before.get(k, 0) for k, v in flashdora.stats().items() if v != before.get(k, 0)}
 print("paths in the timed loop:", paths)
 torch.cuda.CUDAGraph.replay = graph_replay
+
+# Where flashdora's forward spends host time inside the loop: inclusive timers on the PEFT seam's pieces.
+from flashdora import peft_integration as pi  # noqa: E402
+from flashdora.ops import compose as ops_compose  # noqa: E402
+
+
+class _TimedNative:
+    """The C++ extension with its forward timed."""
+
+    def __init__(self, ext):
+        self.ext, self.forward = ext, timed("    native.forward", ext.forward)
+
+    def __getattr__(self, name):
+        return getattr(self.ext, name)
+
+
+spent.clear()
+saved = (pi._lean_forward, pi.flash_forward, pi.compose_eager, ops_compose._native)
+layer = layers["flashdora"]
+layer.base_layer.forward = timed(" base_layer.forward", layer.base_layer.forward)
+pi._lean_forward = timed("_lean_forward", pi._lean_forward)
+pi.flash_forward = timed(" flash_forward", pi.flash_forward)
+pi.compose_eager = timed("   compose_eager", pi.compose_eager)
+ops_compose._native = _TimedNative(ops_compose._native)
+for i in range(10 + args.calls):
+    if i == 10:
+        torch.cuda.synchronize()
+        spent.clear()
+    step()
+torch.cuda.synchronize()
+print("\n# flashdora forward pieces in the loop (the norm's timers still on), inclusive host us per call")
+for label, s in spent.items():
+    print(f"{label:28s} {s / args.calls * 1e6:7.1f}")
+pi._lean_forward, pi.flash_forward, pi.compose_eager, ops_compose._native = saved
+del layer.base_layer.forward
