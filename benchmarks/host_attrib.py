@@ -64,7 +64,7 @@ class _NoLaunch:
         for key, hit in self.compiled.items():
             configs._COMPILED[key] = (hit[0], _noop, *hit[2:])
         self.call = kn.NormGraph.__call__
-        kn.NormGraph.__call__ = lambda graph: graph.out.clone()
+        kn.NormGraph.__call__ = lambda graph: (lambda out: (out[0], out[1:]))(graph.out.clone())
 
     def __exit__(self, *exc):
         configs._COMPILED.update(self.compiled)

@@ -69,7 +69,7 @@ pieces = {
     "lookup, miss (version bumped)": lookup_miss,
     "version bump alone": bump,
     "lookup, hit": lookup_hit,
-    "graph replay + copy out (NormGraph())": graph,
+    "graph replay, held-check (NormGraph())": graph,
     "graph replay alone": graph.graph.replay,
     "empty graph replay": empty.replay,
     "out.clone()": graph.out.clone,

@@ -118,7 +118,7 @@ def shape_rows(d_in, d_out, r, gemm_tflops, old=None, sweep=False):
         add(f"factored_norm_sq, ||W||^2 {label}", ms(fn), fn())
     if DEV == "cuda":
         graph = kn.NormGraph(w, a, b, 1.0, m, w_sq)
-        add("norm_and_scales, CUDA graph replay (model path)", ms(lambda: graph.graph.replay()), graph().square()[0])
+        add("norm_and_scales, CUDA graph replay (model path)", ms(lambda: graph.graph.replay()), graph()[0].square())
     a16 = a.to(w.dtype)
     g = ng.gram(a16)
     add("piece: A to bf16", ms(lambda: a.to(w.dtype)))

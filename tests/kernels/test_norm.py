@@ -182,3 +182,38 @@ def test_norm_cross_term_layouts(d_out, d_in, r, layout, device, poisoned_empty,
     if layout == "timed":
         assert len(norm_gemm._TRANSPOSED) == 2  # one choice per chunk shape (the last chunk is shorter)
         assert not any(norm_gemm._TRANSPOSED.values()) or device == "cuda"
+
+
+def test_holds_counts_every_kind_of_holder():
+    """``NormGraph``'s held check (CPU: the counts need no graph): a name or list (Python references), a C++ autograd
+    node (a tensor reference) and a view (a storage reference) each change the counts; letting go restores them."""
+    from flashdora.kernels.norm import _holds
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.out = torch.randn(4, 6)
+    owner.views = (owner.out[0], owner.out[1:])
+    alone = _holds(owner.out, owner.views)
+    if alone is None:
+        pytest.skip("this torch cannot count a storage's holders")
+
+    def free():
+        return _holds(owner.out, owner.views) == alone
+
+    assert free()
+    norm, scales = owner.views
+    assert not free()
+    del norm, scales
+    assert free()
+    for make in (
+        lambda: [owner.views[1]],
+        lambda: (torch.ones(3, 6, requires_grad=True) * owner.views[1]).grad_fn,
+        lambda: owner.out.view(-1),
+        lambda: owner.views[0].detach(),
+    ):
+        holder = make()
+        assert not free()
+        del holder
+        assert free()

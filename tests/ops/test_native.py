@@ -284,36 +284,25 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
 
 
 @pytest.mark.gpu
-def test_gpu_cpp_forward_runs_the_base_layers_backward_first_and_peaks_lower(ext, monkeypatch):
+def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     """The C++ forward gives the LoRA A matmul's node the sequence number ``after_base`` took, as the Python path
-    does: the base layer's backward runs first and frees ``g dy`` before the A path's ``d x`` exists, one
-    ``[tokens, d_out]`` block less at the backward's peak. With ``seq = -1`` the A path runs first."""
+    does: the base layer's backward runs first and frees ``g dy`` before the A path's ``d x`` exists (the layer
+    benchmark's peak, ``benchmarks/peak_live.py``). With ``seq = -1`` the A path runs first."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(C, "_native", ext)
-    t, d = 2048, 1024
-    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.bfloat16, t, d, d, 16)
+    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
     scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
-    dy = torch.randn(2, t, d, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
 
     def forward(reorder: bool):
-        seq = C.after_base() if reorder else -1
-        return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            seq = C.after_base() if reorder else -1
+            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
 
     for _ in range(3):  # files both plans
         forward(True).backward(dy)
-    peaks = {}
-    for reorder in (False, True, False, True):
-        y = forward(reorder)
-        assert y.grad_fn.name() == "FlashDoraComposeBackward"
-        x.grad = lora_A.grad = lora_B.grad = mag.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        y.backward(dy)
-        torch.cuda.synchronize()
-        peaks[reorder] = torch.cuda.max_memory_allocated() - base
-    block = 2 * t * d * 2  # one [2, t, d] bf16 gradient
-    assert peaks[True] <= peaks[False] - block // 2, peaks
-    order = backward_order(forward(True))
+    y = forward(True)
+    assert y.grad_fn.name() == "FlashDoraComposeBackward"
+    order = backward_order(y)
     assert set(order[:-1]) == {"base"} and order[-1] == "a"
     assert backward_order(forward(False))[0] == "a"

@@ -249,9 +249,11 @@ def test_norm_graph_replays_track_optimizer_steps():
 
 
 @pytest.mark.gpu
-def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
-    """CUDA, a lone layer: a replay hands out the graph's own buffer, unless an earlier result is still held (a
-    pending backward's saved scales): then the norm is computed apart, and the held result keeps its values."""
+@pytest.mark.parametrize("hold", ["name", "list", "autograd", "alias"])
+def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held(hold):
+    """CUDA, a lone layer: a replay hands out the graph's own views of its buffer, unless an earlier result is still
+    held (a pending backward's saved scales): then the norm is computed apart, and the held result keeps its values.
+    Held by a name or a list (its Python object), a C++ autograd node (its tensor) or a view of it (its storage)."""
     from flashdora.ops import norm_group
     from flashdora.ops.norm import NormCache, compute_norm, scales
 
@@ -279,9 +281,23 @@ def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held():
     held = miss()
     kept = held.clone()
     assert held.untyped_storage().data_ptr() == buffer
-    assert miss().untyped_storage().data_ptr() != buffer  # `held` is still alive: computed apart
-    torch.testing.assert_close(held, kept, rtol=0, atol=0)
-    del held
+    if hold == "list":
+        holder = [held]
+    elif hold == "autograd":  # MulBackward0 saves `held` (for p's gradient): a C++ reference to its tensor
+        holder = (torch.ones_like(held, requires_grad=True) * held).grad_fn
+    elif hold == "alias":
+        holder = held.view(-1)
+    if hold != "name":
+        del held
+    assert miss().untyped_storage().data_ptr() != buffer  # the result is still held: computed apart
+    seen = {"name": lambda: held, "list": lambda: holder[0], "autograd": lambda: holder._saved_other,
+            "alias": lambda: holder.view(kept.shape)}[hold]()  # fmt: skip
+    torch.testing.assert_close(seen, kept, rtol=0, atol=0)
+    del seen
+    if hold == "name":
+        del held
+    else:
+        del holder
     assert miss().untyped_storage().data_ptr() == buffer
     assert cache["graph_captures"] == 1
 

@@ -11,6 +11,7 @@ a fixed order; ``||W||^2`` comes from the caller (the norm cache keeps it per we
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -274,30 +275,44 @@ class NormGraph:
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(weight.device).wait_stream(stream)
-        self._alone = _holders(self.out)
+        self.views = (self.out[0], self.out[1:])  # (norm, scales): handed out by every replay, none made per call
+        self._alone = _holds(self.out, self.views)
 
-    def __call__(self) -> torch.Tensor | None:
-        """Replay into the graph's buffer and return it, ``[norm; g; g - 1; 1 / norm]``, which the next replay
-        rewrites. ``None`` (no replay) while an earlier result is still held, by a pending backward's saved scales
-        say: a held result must never change, so the caller computes this one apart, and lets go of its own earlier
-        results first (``ops.norm._fresh_graphed``). Where this torch cannot count the buffer's holders, every
-        replay returns a copy instead."""
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay into the graph's buffer and return its views ``(norm [d_out], scales [3, d_out])``, which the next
+        replay rewrites. ``None`` (no replay) while an earlier result is still held, by a pending backward's saved
+        scales say: a held result must never change, so the caller computes this one apart, and lets go of its own
+        references first (``ops.norm._fresh_graphed``). Where this torch cannot count holders, every replay returns
+        a copy instead."""
         if self._alone is None:
             self.graph.replay()
-            return self.out.clone()
-        if _holders(self.out) != self._alone:
+            out = self.out.clone()
+            return out[0], out[1:]
+        if _holds(self.out, self.views) != self._alone:
             return None
         self.graph.replay()
-        return self.out
+        return self.views
 
 
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_refcount = sys.getrefcount
 
 
 def _holders(t: torch.Tensor) -> int | None:
     """How many references ``t``'s storage has (each tensor or view on it, and a live storage object, holds one);
     ``None`` where this torch cannot say."""
     return None if _USE_COUNT is None else _USE_COUNT(t.untyped_storage()._cdata)
+
+
+def _holds(out: torch.Tensor, views: tuple) -> tuple | None:
+    """Who holds ``out`` and its ``views``, as counts: equal to the counts taken when only their owner held them
+    means nothing else does. Anything that can read them later holds their storage (another view or alias:
+    ``_holders``), a view's Python object (a ``ctx``, a list: its reference count) or a view's tensor (a C++
+    autograd node's copy: its use count). ``None`` where this torch cannot count a storage's holders."""
+    storage = _holders(out)
+    if storage is None:
+        return None
+    return (storage, *[_refcount(v) for v in views], *[v._use_count() for v in views])
 
 
 def scales_from_norm(magnitude, norm) -> torch.Tensor:

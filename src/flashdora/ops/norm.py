@@ -259,11 +259,11 @@ def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitud
     if entry is not None and entry[0] == storage:
         for name in ("norm", "scales", "norm_key", "scales_key"):  # our earlier results: a replay rewrites them
             cache.pop(name, None)
-        both = entry[1]()
-        if both is None:  # an earlier result is still held: this one is computed apart, the graph kept
+        views = entry[1]()
+        if views is None:  # an earlier result is still held: this one is computed apart, the graph kept
             return _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
         backend.count("norm:triton")
-        return both[0], both[1:]
+        return views
     fresh = _fresh(weight, lora_A, lora_B, magnitude, scaling, True, w_sq)
     captures = cache.get("graph_captures", 0)
     if _graphable(weight) and captures < _MAX_CAPTURES and not torch.cuda.is_current_stream_capturing():
