@@ -198,7 +198,8 @@ layer.base_layer.forward = timed(" base_layer.forward", layer.base_layer.forward
 pi._lean_forward = timed("_lean_forward", pi._lean_forward)
 pi.flash_forward = timed(" flash_forward", pi.flash_forward)
 pi.compose_eager = timed("   compose_eager", pi.compose_eager)
-ops_compose._native = _TimedNative(ops_compose._native)
+if ops_compose._native:  # (None or False: the C++ forward is off or not built, and the Python path runs)
+    ops_compose._native = _TimedNative(ops_compose._native)
 for i in range(10 + args.calls):
     if i == 10:
         torch.cuda.synchronize()

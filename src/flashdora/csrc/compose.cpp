@@ -333,7 +333,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   }
   if (!a.is_contiguous()) a = a.contiguous();
   TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
-  // ops/compose.py `_after_base`: the A matmul's backward waits for the base layer's (seq: below the base's nodes).
+  // ops/compose.py `after_base`: the A matmul's backward waits for the base layer's (seq: below the base's nodes).
   if (train && seq >= 0 && a.grad_fn()) a.grad_fn()->set_sequence_nr(static_cast<uint64_t>(seq));
   at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);

@@ -252,8 +252,9 @@ def _fresh_graphed(cache: dict, storage: tuple, weight, lora_A, lora_B, magnitud
     A graph re-reads its inputs where they were at capture, so it is keyed on ``storage`` (``_storage``: addresses,
     shapes, strides, dtypes and devices, never version counters: new values in the same storage are what it is for)
     and ``scaling``. The first computation for a storage runs eagerly (and warms the autotuner); it is captured for
-    the next. A replay hands out the graph's own buffer, which the next replay rewrites; while a result handed out
-    earlier is still held (a pending backward saved it), the computation runs eagerly instead.
+    the next. A replay hands out views of the graph's own buffer (made once, at capture), which the next replay
+    rewrites; while a result handed out earlier is still held (a pending backward saved it), the computation runs
+    eagerly instead.
     """
     entry = cache.get("graph")
     if entry is not None and entry[0] == storage:

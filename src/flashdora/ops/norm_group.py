@@ -1,7 +1,7 @@
 """The norm group: every training layer's norm recomputed in one go after the weights change (Triton path).
 
 With the norm cache, each DoRA layer recomputes its norm at its first forward after an optimizer step: on
-llama3-8b that is 224 lookups a step that miss, each with its own host work (its graph's replay, a copy out, the
+llama3-8b that is 224 lookups a step that miss, each with its own host work (its graph's replay and the
 bookkeeping: 100-150 us a layer on the device machines' CPU, ``benchmarks/host_attrib.py``). The group holds the
 layers that recomputed since its last run. The first of them to miss after the next change runs the group: one
 CUDA graph recomputes every member's norm and scales, and each member's cache files its result under the key its
