@@ -252,13 +252,12 @@ def test_norm_graph_rewrites_its_buffer_only_where_no_result_is_held(hold):
     held = [miss()]
     kept = held[0].clone()
     assert held[0].untyped_storage().data_ptr() == buffer
-    read = {  # a holder of the result, and how to read the values through it
+    holder, see = {  # a holder of the result, and how to read the values through it
         "name": (held[0], lambda h: h),
         "list": (held, lambda h: h[0]),
         "autograd": ((torch.ones_like(kept, requires_grad=True) * held[0]).grad_fn, lambda h: h._saved_other),
         "alias": (held[0].view(-1), lambda h: h.view(kept.shape)),
     }[hold]
-    holder, see = read
     if hold != "list":
         held.clear()  # the holder alone keeps the result
     assert miss().untyped_storage().data_ptr() != buffer  # the result is still held: computed apart
