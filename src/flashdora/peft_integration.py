@@ -108,22 +108,15 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         )
     weight = weight.T if module.fan_in_fan_out else weight
     scaling = float(module.scaling[active_adapter])
-    dropout = mods["lora_dropout"]._modules[active_adapter]
-    plain = not module.training or isinstance(dropout, nn.Identity)
     if torch.compiler.is_compiling():
         scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
-        if plain:
-            return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"))
-        return _with_dropout(compose, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling)
-    # eager: the cache by its owner, and the compose without the compile checks
-    scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
-    if plain:
-        return compose_eager(result, x, lora_A, lora_B, magnitude, scales, scaling, _param(base, "bias"), None, _seq)
-    return _with_dropout(compose_eager, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling)
-
-
-def _with_dropout(run, result, x, dropout, weight, lora_A, lora_B, magnitude, scales, scaling):
-    """PEFT's DoRA with an active dropout: ``lx_base = dropout(x) W^T``, then the compose in its ``lx_base`` form."""
+        run = compose
+    else:  # eager: the cache by its owner, and the compose without the compile checks
+        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
+        run = compose_eager
+    dropout = mods["lora_dropout"]._modules[active_adapter]
+    if not module.training or isinstance(dropout, nn.Identity):
+        return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     lora_x = dropout(x)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)

@@ -210,20 +210,20 @@ def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, comp
     return y + ((m - m.detach()) * inv * inner.detach().to(inv.dtype)).to(y.dtype)  # + 0, d/dm = inner / norm
 
 
-def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None) -> Tensor:
+def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None, seq=-1) -> Tensor:
     """The DoRA output from the base layer's ``result = x W^T + bias`` (validated inputs; PEFT's variant calls this).
 
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
     ``scales`` is ``dora_scales(...)``: ``(g, g - 1, 1 / norm)`` for ``magnitude``. Output dtype: ``result.dtype``.
     Eager calls run the LoRA A matmul in plain autograd, then ``ComposeFunction`` (the fused kernels on the Triton
-    path); compiled graphs plain torch ops.
+    path); compiled graphs plain torch ops. ``seq``: see ``after_base`` (eager calls only).
     """
     if torch.compiler.is_compiling():
         device_type = result.device.type
         cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
         return _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, cd, bias, lx_base)
-    return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
+    return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
 
 
 def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1) -> Tensor:
