@@ -22,20 +22,14 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashdora
 from flashdora.bench.layer import build_layer, step_fn
+from one_layer import add_step_arguments, step_inputs
 
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
-p.add_argument("--rank", type=int, default=384)
-p.add_argument("--tokens", type=int, default=2048)
+add_step_arguments(p)
 p.add_argument("--steps", type=int, default=50)
 p.add_argument("--top", type=int, default=25)
 args = p.parse_args()
-d_in, d_out = (int(v) for v in args.shape.split("x"))
-
-torch.manual_seed(0)
-weight = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
-x = torch.randn(args.tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn(args.tokens, d_out, device="cuda", dtype=torch.bfloat16)
+weight, x, dy = step_inputs(args)
 NODE = "autograd::engine::evaluate_function: "
 
 for name, dora in (("peft_lora", False), ("flashdora", True)):

@@ -31,21 +31,15 @@ from flashdora.bench.layer import build_layer, step_fn
 from flashdora.kernels import norm as kn
 from flashdora.ops import norm as norm_ops
 from flashdora.ops import norm_group
+from one_layer import add_step_arguments, step_inputs
 
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
-p.add_argument("--rank", type=int, default=384)
-p.add_argument("--tokens", type=int, default=2048)
+add_step_arguments(p)
 p.add_argument("--calls", type=int, default=200)
 p.add_argument("--turns", type=int, default=3)
 args = p.parse_args()
 dev = "cuda"
-d_in, d_out = (int(v) for v in args.shape.split("x"))
-
-torch.manual_seed(0)
-weight = torch.randn(d_out, d_in, device=dev, dtype=torch.bfloat16) / d_in**0.5
-x = torch.randn(args.tokens, d_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn(args.tokens, d_out, device=dev, dtype=torch.bfloat16)
+weight, x, dy = step_inputs(args, dev)
 steps, layers = {}, {}
 for name, dora in (("peft_lora", False), ("peft_dora", True), ("flashdora", True)):
     torch.manual_seed(1)

@@ -15,15 +15,13 @@ import argparse
 import torch
 
 from flashdora.bench.layer import build_layers, step_fn
+from one_layer import add_step_arguments, step_inputs
 
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="4096x4096", help="d_in x d_out")
-p.add_argument("--rank", type=int, default=384)
-p.add_argument("--tokens", type=int, default=2048)
+add_step_arguments(p)
 p.add_argument("--dtype", default="bf16", choices=("bf16", "autocast"))
 p.add_argument("--top", type=int, default=12)
 args = p.parse_args()
-d_in, d_out = (int(v) for v in args.shape.split("x"))
 MIB = 2**20
 
 
@@ -47,10 +45,7 @@ def live_at_peak(trace) -> tuple[int, list]:
     return peak, sorted(at_peak.values(), key=lambda v: -v[0])
 
 
-torch.manual_seed(0)
-weight = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) / d_in**0.5
-x = torch.randn(args.tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-dy = torch.randn(args.tokens, d_out, device="cuda", dtype=torch.bfloat16)
+weight, x, dy = step_inputs(args)
 layers = build_layers(weight, args.rank, args.dtype, ["peft_lora", "flashdora"])
 print(f"# {args.shape} r={args.rank} {args.tokens} tokens {args.dtype}: blocks alive at the step's own peak")
 for mode, (_, layer) in layers.items():
