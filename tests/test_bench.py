@@ -81,13 +81,14 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in model.MODES for p in model.PHASES}
+    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in model.MODES for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
         assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
         assert "error" not in r, r
         assert r["ms"] > 0 and r["peak_extra_gib"] is None
         assert r["warmup_s"] > 0  # the one warm-up step's wall time
+        assert 0 < r["first_ms"] <= r["warmup_s"] * 1e3  # the first step is the warm-up's
     assert all(r["paths"] for r in records if r["mode"] == "flashdora")
     assert result["config"]["num_hidden_layers"] == 2
     assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
@@ -147,12 +148,91 @@ def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):
         assert len(r["times_ms"]) == 9 and len(r["round_ms"]) == 3, r
         assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
         assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 3
+        assert r["first_ms"] == r["round_first_ms"][0] and len(r["round_first_ms"]) == 3
     assert "each round's median ms" in files[".md"].read_text()
 
 
 def test_model_rounds_refuse_compile():
     with pytest.raises(SystemExit, match="--rounds > 1 with --compile"):
         main(["bench", "model", "--preset", "tiny", "--rounds", "2", "--compile", "--device", "cpu"])
+
+
+def md_row(md: str, phase: str, mode: str) -> dict[str, str]:
+    """The cells of the table row of ``phase`` and ``mode``, by column name."""
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    columns = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[1:3] == [phase, mode]:
+            return dict(zip(columns, cells, strict=True))
+    raise AssertionError(f"no {phase} {mode} row in the table")
+
+
+def test_model_train_steps_the_optimizer(tmp_path, monkeypatch):
+    changed, grads_left = {}, {}
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        before = {n: p.detach().clone() for n, p in target.named_parameters() if p.requires_grad}
+        rows = measure(target, mode, *args)
+        after = dict(target.named_parameters())
+        changed[mode] = (len(before), sum(not torch.equal(after[n], w) for n, w in before.items()))
+        grads_left[mode] = sum(p.grad is not None for p in target.parameters())
+        return rows
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "train", "--reps", "2"]
+    result, files = run_bench(tmp_path, *argv, "--warmup", "1", "--modes", "base", "peft_lora", "flashdora")
+    records = {r["mode"]: r for r in result["records"]}
+    assert list(records) == ["base", "peft_lora", "flashdora"] and {r["phase"] for r in records.values()} == {"train"}
+    for r in records.values():
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["first_ms"] > 0 and len(r["times_ms"]) == 2
+    assert changed["base"] == (0, 0) and records["base"]["optimizer_params"] == 0  # nothing to step
+    for mode in ("peft_lora", "flashdora"):  # every trainable tensor (A, B, and DoRA's magnitude) was stepped
+        n_trainable, n_changed = changed[mode]
+        assert n_trainable == 2 * 7 * (3 if mode == "flashdora" else 2) and n_changed == n_trainable, mode
+        assert records[mode]["optimizer_params"] > 0
+    assert grads_left == {"base": 0, "peft_lora": 0, "flashdora": 0}  # zero_grad(set_to_none=True)
+    assert "train: torch.optim.AdamW" in result["protocol"]["optimizer"]
+    row = md_row(files[".md"].read_text(), "train", "flashdora")
+    assert row["vs peft_lora"] == f"{records['flashdora']['ms'] / records['peft_lora']['ms']:.2f}"
+    assert row["first ms"] == f"{records['flashdora']['first_ms']:.2f}"
+
+
+def test_model_decode_generates_new_tokens_with_the_cache(tmp_path, monkeypatch):
+    inputs = {}
+    measure = model.measure_mode
+
+    def watched(target, mode, *args):
+        emb = target.get_input_embeddings()
+        hook = emb.register_forward_hook(lambda mod, inp, out: inputs.setdefault(mode, []).append(inp[0].shape))
+        try:
+            return measure(target, mode, *args)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(model, "measure_mode", watched)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "decode", "--reps", "2"]
+    argv += ["--warmup", "0", "--prompt", "5", "--new-tokens", "3", "--modes", "peft_lora", "peft_dora", "flashdora"]
+    result, files = run_bench(tmp_path, *argv)
+    one_call = [(1, 5), (1, 1), (1, 1)]  # the prompt, then one token per forward: 3 new tokens, the KV cache on
+    assert inputs == {mode: one_call * 2 for mode in ("peft_lora", "peft_dora", "flashdora")}
+    for r in result["records"]:
+        assert "error" not in r, r
+        sizes = (r["phase"], r["batch"], r["seq"], r["prompt"], r["tokens"], r["new_tokens"])
+        assert sizes == ("decode", 1, 5, 5, 3, 3)
+        assert r["ms"] > 0 and r["first_ms"] > 0 and r["ms"] == pytest.approx(statistics.median(r["times_ms"]))
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["ms"])  # ms is per generated token
+    assert "3 new tokens" in result["protocol"]["decode"]
+    lora_ms = result["records"][0]["ms"]
+    row = md_row(files[".md"].read_text(), "decode", "flashdora")
+    assert row["tokens"] == "3" and row["vs peft_lora"] == f"{result['records'][2]['ms'] / lora_ms:.2f}"
+
+
+def test_model_decode_refuses_compile():
+    with pytest.raises(SystemExit, match="decode without it"):
+        main(["bench", "model", "--preset", "tiny", "--phases", "decode", "--compile", "--device", "cpu"])
 
 
 def test_model_config_file_layers_and_bias(tmp_path):

@@ -2,9 +2,11 @@
 
 The base model is built once (bf16, gradient checkpointing on) and wrapped in turn: PEFT LoRA (then unloaded),
 PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable`` and as
-``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)``, then unloaded). Each timed ``grad`` step first
-marks the trainable parameters as changed (``increment_version``, as an optimizer step would), so flashdora's norm
-cache recomputes the norm once per step, as in real training; ``inference`` keeps the cache (weights are fixed).
+``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)``, then unloaded). Phases (``inference``, ``grad``,
+``train``, ``decode``) and what each step does: bench/model_phases.py. ``grad`` and ``train`` change (or mark as
+changed) the weights every step, so flashdora's norm cache recomputes the norm once per step, as in real training;
+``inference`` and ``decode`` keep the cache (weights are fixed). ``train`` really updates the adapters (AdamW,
+lr 1e-5), so the modes after it on the same PEFT model start from slightly different values.
 Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False`` (random
 non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: docs/benchmarks.md.
 """
@@ -12,7 +14,6 @@ non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ from peft import LoraConfig, get_peft_model
 
 import flashdora
 from flashdora.bench import record, timing
+from flashdora.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, step_fn
 from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -88,8 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--phases",
         nargs="+",
         choices=PHASES,
-        default=list(PHASES),
-        help="inference: forward without grad; grad: forward + backward, no optimizer step",
+        default=["inference", "grad"],
+        help="inference: forward without grad; grad: forward + backward, no optimizer step; train: forward + "
+        "backward + AdamW step + zero_grad; decode: generate --new-tokens tokens after a --prompt-token prompt, "
+        "batch 1, KV cache, reported per generated token (default: inference grad)",
     )
     parser.add_argument(
         "--dtype",
@@ -98,7 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="autocast: bf16 model, fp32 adapters (PEFT's default), bf16 autocast; bf16: all bf16",
     )
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--seq", type=int, default=2048, help="tokens per sequence, not decode's (default: %(default)s)"
+    )
+    parser.add_argument("--prompt", type=int, default=32, help="decode: prompt tokens, batch 1 (default: %(default)s)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=64, help="decode: tokens generated per timed step (default: %(default)s)"
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed steps per row and round; the median is reported")
     parser.add_argument(
         "--rounds",
@@ -109,9 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "order, weighs on every mode alike (eager only)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model (not with decode)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
@@ -164,37 +174,14 @@ def wrap(model, args, use_dora: bool):
         return get_peft_model(model, config, autocast_adapter_dtype=args.dtype == "autocast")
 
 
-def step_fn(model, ids, phase: str, args):
-    """One timed step: a forward without grad, or ``--grad-accum`` forward+backward passes, ``.grad`` dropped after."""
-    device_type = ids.device.type
-    call = torch.compile(model) if args.compile else model
-
-    def amp():
-        return (
-            torch.autocast(device_type, dtype=torch.bfloat16) if args.dtype == "autocast" else contextlib.nullcontext()
-        )
-
-    if phase == "inference":
-        model.eval()
-
-        def inference():
-            with torch.no_grad(), amp():
-                call(input_ids=ids)
-
-        return inference
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def grad():
-        torch.autograd.graph.increment_version(params)  # what an optimizer step does to the weights' versions
-        for _ in range(args.grad_accum):
-            with amp():
-                loss = call(input_ids=ids, labels=ids).loss / args.grad_accum
-            loss.backward()
-        for p in params:  # dropped after each step: the baseline excludes gradients, the peak includes them
-            p.grad = None
-
-    return grad
+def phase_row(target, base_row, mode, phase, args) -> dict:
+    """The fields of one (mode, phase) row known before it runs: decode's own sizes, train's optimizer size."""
+    row = {**base_row, "mode": mode, "phase": phase}
+    if phase == "decode":  # batch 1; ``tokens``: generated per step
+        row.update(tokens=args.new_tokens, batch=1, seq=args.prompt, prompt=args.prompt, new_tokens=args.new_tokens)
+    elif phase == "train":  # 0 for ``base``: no trainable parameters, no optimizer step
+        row["optimizer_params"] = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    return row
 
 
 def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) -> list[dict]:
@@ -204,15 +191,18 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
         bar.update(task, description=f"{label}: {mode} {phase}")
         timing.free_memory(device)
         flashdora.reset_stats()
-        row = {**base_row, "mode": mode, "phase": phase}
+        row = phase_row(target, base_row, mode, phase, args)
         try:
-            m = timing.measure(step_fn(target, ids, phase, args), warmup=args.warmup, reps=args.reps, device=device)
+            step, first = first_call_timed(step_fn(target, ids, phase, args), device)
+            m = timing.measure(step, warmup=args.warmup, reps=args.reps, device=device)
+            per = args.new_tokens if phase == "decode" else 1  # decode: times per generated token
             row.update(
-                ms=m.ms,
+                ms=m.ms / per,
                 peak_extra_gib=m.peak_extra_gib,
-                times_ms=m.times_ms,
+                times_ms=[t / per for t in m.times_ms],
                 warmup_s=m.warmup_s,
-                tokens_per_s=row["tokens"] * (args.grad_accum if phase == "grad" else 1) / (m.ms * 1e-3),
+                tokens_per_s=row["tokens"] * (args.grad_accum if phase in ("grad", "train") else 1) / (m.ms * 1e-3),
+                first_ms=first[0] / per,
             )
         except Exception as e:  # noqa: BLE001 - recorded in the row and printed; the other modes still run
             timing.free_memory(device)
@@ -271,6 +261,7 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
         row = timing.pool_rounds(same, "peak_extra_gib")
         if row["ms"] is not None:
             row["round_warmup_s"] = [r["warmup_s"] for r in same]  # (``warmup_s``: the first round's, compiles too)
+            row["round_first_ms"] = [r["first_ms"] for r in same]  # (``first_ms``: the first round's)
             row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]
         pooled.append(row)
     return pooled
@@ -280,11 +271,13 @@ def run(args) -> int:
     from rich.progress import Progress
 
     device = torch.device(args.device)
-    for flag in ("rank", "batch", "seq", "reps", "rounds", "grad_accum"):
+    for flag in ("rank", "batch", "seq", "prompt", "new_tokens", "reps", "rounds", "grad_accum"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"bench model: --{flag.replace('_', '-')} expected >= 1, got {getattr(args, flag)}")
     if args.rounds > 1 and args.compile:
         raise SystemExit("bench model: --rounds > 1 with --compile would recompile every mode in every round; use 1")
+    if args.compile and "decode" in args.phases:
+        raise SystemExit("bench model: --compile does not reach generate's forward passes; run decode without it")
     name, config = build_config(args)
     protocol = {
         "warmup": args.warmup,
@@ -302,8 +295,14 @@ def run(args) -> int:
         "lora_dropout": 0.0,
         "init_lora_weights": False,
         "targets": TARGETS,
-        "optimizer": "excluded",
+        "optimizer": "excluded" if "train" not in args.phases else "grad: excluded; train: " + TRAIN_OPTIMIZER,
+        "first_ms": "wall time of each row's first step (queue drained around it), the first round's with rounds",
     }
+    if "decode" in args.phases:
+        protocol["decode"] = (
+            f"generate: greedy, batch 1, {args.prompt}-token prompt, exactly {args.new_tokens} new tokens, KV cache "
+            "on, adapters unmerged; ms, times_ms and first_ms per generated token"
+        )
     result = record.new_result("model", device, protocol, vars(args))
     result["config"] = {
         "name": name,

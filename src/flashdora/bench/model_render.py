@@ -5,7 +5,7 @@ from __future__ import annotations
 from flashdora.bench import record
 
 MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")
-PHASES = ("inference", "grad")
+PHASES = ("inference", "grad", "train", "decode")
 
 
 def render_markdown(result: dict) -> str:
@@ -31,6 +31,7 @@ def render_markdown(result: dict) -> str:
         "vs peft_lora",
         "peft_dora / this",
         "peak extra GiB",
+        "first ms",
         "warm-up s",
         "paths",
     ]
@@ -51,6 +52,7 @@ def render_markdown(result: dict) -> str:
                 ratio(r, "peft_lora"),
                 None if not r["ms"] or dora is None else dora / r["ms"],
                 r["peak_extra_gib"],
+                r.get("first_ms"),
                 r.get("warmup_s"),
                 " ".join(r.get("paths") or []) or r.get("error") or "-",
             ]
@@ -66,13 +68,29 @@ def render_markdown(result: dict) -> str:
                 "ms: median per step (grad: forward + backward, optimizer excluded; with rounds, over every "
                 "round's steps); peak extra GiB: above the resident model and adapters; warm-up s: wall time of the "
                 f"{result['protocol']['warmup']} untimed steps before them (the first round's with rounds): Triton's "
-                "compiles and autotuning, flashdora's norm graph captures, cuBLAS's first calls.",
+                "compiles and autotuning, flashdora's norm graph captures, cuBLAS's first calls; first ms: wall time "
+                "of the first (cold) step alone.",
+                *_phase_notes(result),
                 "",
                 record.table(columns, rows),
             ]
         )
         + "\n"
     )
+
+
+def _phase_notes(result: dict) -> list[str]:
+    """One line per phase present whose step the table's note does not describe."""
+    phases = {r["phase"] for r in result["records"]}
+    notes = []
+    if "train" in phases:
+        notes.append(
+            f"- train: forward + backward + optimizer step; optimizer: {result['protocol']['optimizer']}; train's "
+            "peak extra GiB is above its optimizer state too"
+        )
+    if "decode" in phases:
+        notes.append(f"- decode: {result['protocol']['decode']}; tokens: generated per step (tokens/s likewise)")
+    return notes
 
 
 def render_png(result: dict, path) -> None:
@@ -82,7 +100,8 @@ def render_png(result: dict, path) -> None:
     modes = [m for m in MODES if any(r["mode"] == m for r in recs)]
     look = {(r["phase"], r["mode"]): r for r in recs}
     fig, axes = record.figure(1, 2, (11, 4))
-    for ax, (field, label) in zip(axes[0], [("ms", "ms per step"), ("peak_extra_gib", "peak extra GiB")], strict=True):
+    ms_label = "ms per step (decode: per token)" if "decode" in phases else "ms per step"
+    for ax, (field, label) in zip(axes[0], [("ms", ms_label), ("peak_extra_gib", "peak extra GiB")], strict=True):
         series = {m: [look.get((p, m), {}).get(field) for p in phases] for m in modes}
         record.grouped_bars(ax, phases, series, label)
         ax.set_title(f"{result['config']['name']}, r={recs[0]['rank'] if recs else '-'}: {label}", fontsize=9)

@@ -1,0 +1,132 @@
+"""The timed step of each ``flashdora bench model`` phase, and the timer of a phase's first (cold) step.
+
+- ``inference``: one forward without grad (eval mode).
+- ``grad``: ``--grad-accum`` forward + backward passes, ``.grad`` dropped after; no optimizer. Each step first marks
+  the trainable parameters as changed (``increment_version``, as an optimizer step would), so a norm cache
+  recomputes once per step.
+- ``train``: the passes of ``grad``, then ``AdamW.step()`` and ``zero_grad(set_to_none=True)``: the weights really
+  change every step. The optimizer (``lr=1e-5``, ``fused=True`` on CUDA, torch's default elsewhere) is built with
+  the step, outside the timing; its state is made by the first step and stays resident for the phase.
+- ``decode``: ``generate`` (greedy, KV cache on, exactly ``--new-tokens`` tokens) from a ``[1, --prompt]`` prompt,
+  unmerged adapters, eval mode (transformers checkpoints only in training mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from flashdora.bench import timing
+
+LR = 1e-5
+TRAIN_OPTIMIZER = (
+    f"torch.optim.AdamW(trainable params, lr={LR:g}, fused=True on CUDA, torch's default elsewhere), built outside "
+    "the timing; step() and zero_grad(set_to_none=True) timed"
+)
+
+
+def first_call_timed(fn, device) -> tuple[Callable[[], None], list[float]]:
+    """``fn`` wrapped so that its first call is also timed (wall ms, queue drained before and after) into the list."""
+    first: list[float] = []
+
+    def call():
+        if first:
+            fn()
+            return
+        timing.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        timing.synchronize(device)
+        first.append((time.perf_counter() - t0) * 1e3)
+
+    return call, first
+
+
+def decode_prompt(model, args, device) -> torch.Tensor:
+    """The ``[1, --prompt]`` prompt of ``decode``: seeded, the same for every mode."""
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    return torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=gen).to(device)
+
+
+def step_fn(model, ids, phase: str, args):
+    """One timed step of ``phase`` on ``model`` (``ids``: ``[batch, seq]`` tokens; ``decode`` makes its own prompt)."""
+    device_type = ids.device.type
+
+    def amp():
+        return (
+            torch.autocast(device_type, dtype=torch.bfloat16) if args.dtype == "autocast" else contextlib.nullcontext()
+        )
+
+    if phase == "decode":
+        return _decode_step(model, decode_prompt(model, args, ids.device), args, amp)
+    call = torch.compile(model) if args.compile else model
+    if phase == "inference":
+        model.eval()
+
+        def inference():
+            with torch.no_grad(), amp():
+                call(input_ids=ids)
+
+        return inference
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def passes():
+        for _ in range(args.grad_accum):
+            with amp():
+                loss = call(input_ids=ids, labels=ids).loss / args.grad_accum
+            loss.backward()
+
+    if phase == "train":
+        return _train_step(passes, params, ids.device)
+    if phase != "grad":
+        raise ValueError(f"step_fn: phase expected one of inference, grad, train, decode, got {phase!r}")
+
+    def grad():
+        torch.autograd.graph.increment_version(params)  # what an optimizer step does to the weights' versions
+        passes()
+        for p in params:  # dropped after each step: the baseline excludes gradients, the peak includes them
+            p.grad = None
+
+    return grad
+
+
+def _train_step(passes, params, device):
+    """``passes`` then an AdamW step over ``params`` (none for ``base``: its step is the passes alone)."""
+    opt = None
+    if params:
+        fused = True if timing.is_cuda(device) else None
+        opt = torch.optim.AdamW(params, lr=LR, fused=fused)
+
+    def train():
+        passes()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # the baseline excludes gradients, the peak includes them
+
+    return train
+
+
+def _decode_step(model, prompt, args, amp):
+    """Greedy ``generate`` of exactly ``args.new_tokens`` tokens after ``prompt``, the KV cache on."""
+    model.eval()
+    mask = torch.ones_like(prompt)
+    n = args.new_tokens
+
+    def decode():
+        with amp():
+            out = model.generate(
+                input_ids=prompt,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                use_cache=True,  # the bench's config says False (training); generate reads it from there
+            )
+        if out.shape[-1] != prompt.shape[-1] + n:
+            raise RuntimeError(f"decode: expected {n} new tokens, got {out.shape[-1] - prompt.shape[-1]}")
+
+    return decode
