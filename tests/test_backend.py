@@ -93,7 +93,7 @@ def test_switches_follow_a_replaced_environ():
     ``mock.patch("os.environ", ...)`` installs) is honoured too."""
     from unittest import mock
 
-    from flashdora.ops.norm import cache_enabled
+    from flashdora.ops.norm_cache import cache_enabled
 
     with mock.patch("os.environ", {"FLASHDORA_BACKEND": "eager", "FLASHDORA_NORM_CACHE": "0"}):
         assert backend.requested_backend() == "eager" and not cache_enabled()
@@ -123,3 +123,15 @@ def test_tensors_off_the_current_device_run_eager(monkeypatch):
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     with pytest.raises(RuntimeError, match=r"FLASHDORA_BACKEND=triton: tensors on cuda:0 while cuda:1"):
         dora_linear(*args)
+
+
+@pytest.mark.parametrize("name", ["FLASHDORA_NORM_CACHE", "FLASHDORA_NATIVE", "FLASHDORA_STATIC_LAUNCH"])
+def test_switches_reject_unknown_values(name, monkeypatch):
+    """Every on/off switch takes the documented spellings, defaults when unset or empty, and names itself and the
+    value it got for anything else (a typo never silently picks a default)."""
+    for value, expected in [("1", True), ("Yes", True), (" on ", True), ("0", False), ("off", False), ("", True)]:
+        monkeypatch.setenv(name, value)
+        assert backend.switch(name, True) is expected
+    monkeypatch.setenv(name, "of")
+    with pytest.raises(ValueError, match=rf"{name} expected one of .* got 'of'"):
+        backend.switch(name, True)

@@ -85,7 +85,7 @@ def test_input_cast_skip_is_bitwise_neutral(monkeypatch, dropout):
     seen = []
     fast = _seen_lora_inputs(model, lambda: seen.append(run()))
     with monkeypatch.context() as m:
-        m.setattr(peft_integration.LoraLayer, "_cast_input_dtype", peft_integration._PEFT_CAST)
+        m.setattr(peft_integration.FlashDoraLinear, "_cast_input_dtype", peft_integration._PEFT_CAST)
         slow = _seen_lora_inputs(model, lambda: seen.append(run()))
     assert set(slow) == {torch.float32}
     n_eval = len(fast) // 2

@@ -6,6 +6,7 @@ flashdora.enable(peft_model)   # or flashdora.patch_peft() before building the m
 
 from flashdora.backend import reset_stats, stats
 from flashdora.ops import dora_linear, factored_norm
+from flashdora.ops.norm_cache import invalidate
 from flashdora.peft_integration import disable, enable, patch_peft, unpatch_peft
 from flashdora.report import report
 
@@ -21,5 +22,6 @@ __all__ = [
     "stats",
     "reset_stats",
     "report",
+    "invalidate",
     "__version__",
 ]

@@ -45,20 +45,23 @@ def env_str(raw) -> str:
 
 def switch(name: str, default: bool) -> bool:
     """An on/off environment switch: ``1``, ``true``, ``on`` or ``yes`` turn it on, ``0``, ``false``, ``off`` or
-    ``no`` off; unset or anything else gives ``default``. Cheap enough for the layer path (a lookup and a cache)."""
+    ``no`` off; unset or empty gives ``default``; anything else is a ``ValueError`` that names the variable. Cheap
+    enough for the layer path (a lookup and a cache)."""
     if os.environ is _ENVIRON and _ENV_DATA is not None and _ENV_ENCODE is not None:  # env_raw, inlined
-        return _switch_value(_ENV_DATA.get(_env_key(name)), default)
-    return _switch_value(os.environ.get(name), default)
+        return _switch_value(name, _ENV_DATA.get(_env_key(name)), default)
+    return _switch_value(name, os.environ.get(name), default)
 
 
-@functools.lru_cache(maxsize=32)
-def _switch_value(raw, default: bool) -> bool:
+@functools.lru_cache(maxsize=64)
+def _switch_value(name: str, raw, default: bool) -> bool:
     value = (env_str(raw) or "").strip().lower()
     if value in ("1", "true", "on", "yes"):
         return True
     if value in ("0", "false", "off", "no"):
         return False
-    return default
+    if value == "":
+        return default
+    raise ValueError(f"{name} expected one of 1, true, on, yes, 0, false, off, no (or unset), got {env_str(raw)!r}")
 
 
 def requested_backend() -> str:
@@ -123,6 +126,16 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if on_cuda and tensors[0].get_device() != current_cuda_device():
         raise RuntimeError(f"FLASHDORA_BACKEND=triton: {_other_device_message(tensors[0])}")
     return True
+
+
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)  # private: gated, see below
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jvp, jacrev, ...) is running. Reads a private torch function
+    present in every torch version the tests cover; where it is missing, ``False`` (the transforms then reach
+    flashdora's code and raise there)."""
+    return _FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()
 
 
 _CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)  # (absent from CPU builds)

@@ -24,7 +24,8 @@ from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
 from flashdora.ops.compose import after_base, compose, compose_eager
-from flashdora.ops.norm import NormCache, dora_scales
+from flashdora.watch import watch_writes
+from flashdora.ops.norm_cache import NormCache, dora_scales
 
 _PEFT_DORA = variants.DoraLinearVariant
 _PEFT_LINEAR_FORWARD = PeftLinear.forward
@@ -102,6 +103,8 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     owner = mods["lora_magnitude_vector"]._modules[active_adapter]
     magnitude = _param(owner, "weight")
     reason = _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
+    if reason is None and backend.functorch_active():
+        reason = "torch.func"  # grad/vmap/jvp: PEFT's plain torch ops compose with every transform
     if reason is not None or x.device != result.device:
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
@@ -208,6 +211,8 @@ class FlashDoraLinear(PeftLinear):
     def forward(self, x, *args, **kwargs):
         return _lean_forward(self, x, *args, **kwargs)
 
+    _cast_input_dtype = _cast_input_dtype
+
     def _get_name(self):
         return "Linear"
 
@@ -238,20 +243,26 @@ def _swap_linear_class(model: nn.Module, cls: type) -> None:
             module.__class__ = cls
 
 
-_counting_classes: dict[type, type] = {}
+def _make_counting(cls: type) -> type:
+    """A subclass of a PEFT DoRA variant that counts and warns (once) before running PEFT's forward. Defined at import
+    under a module-level name, so that a model holding one pickles (``torch.save``) and unpickles in a new process."""
+    reason, peft_forward = _OTHER_DORA[cls], cls.forward
+
+    def forward(module, active_adapter, x, *args, **kwargs):
+        backend.count(f"peft_fallback:{reason}")
+        backend.warn_once(f"fallback:{reason}", f"flashdora: DoRA {reason} layers run PEFT's own code")
+        return peft_forward(module, active_adapter, x, *args, **kwargs)
+
+    name = f"FlashDoraCounting{cls.__name__}"
+    counting = type(name, (cls,), {"forward": staticmethod(forward), "__module__": __name__, "__qualname__": name})
+    globals()[name] = counting
+    return counting
+
+
+_counting_classes: dict[type, type] = {cls: _make_counting(cls) for cls in _OTHER_DORA}
 
 
 def _counting(cls: type) -> type:
-    """A subclass of a PEFT DoRA variant that counts and warns (once) before running PEFT's forward."""
-    if cls not in _counting_classes:
-        reason, peft_forward = _OTHER_DORA[cls], cls.forward
-
-        def forward(module, active_adapter, x, *args, **kwargs):
-            backend.count(f"peft_fallback:{reason}")
-            backend.warn_once(f"fallback:{reason}", f"flashdora: DoRA {reason} layers run PEFT's own code")
-            return peft_forward(module, active_adapter, x, *args, **kwargs)
-
-        _counting_classes[cls] = type(f"FlashDoraCounting{cls.__name__}", (cls,), {"forward": staticmethod(forward)})
     return _counting_classes[cls]
 
 
@@ -296,7 +307,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
         raise TypeError(f"enable: norm_cache expected a bool, got {type(norm_cache).__name__}")
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     _swap_linear_class(model, FlashDoraLinear)
-    LoraLayer._cast_input_dtype = _cast_input_dtype  # PEFT's method on every other layer (see its docstring)
+    watch_writes(model, True)
     return model
 
 
@@ -306,6 +317,7 @@ def disable(model: nn.Module) -> nn.Module:
         raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
     _swap_variants(model, PeftDoraLinearVariant)
     _swap_linear_class(model, PeftLinear)
+    watch_writes(model, False)
     return model
 
 
@@ -317,7 +329,7 @@ def patch_peft() -> None:
     """
     _PEFT_DORA.forward = _FLASH_STATIC
     PeftLinear.forward = _lean_forward
-    LoraLayer._cast_input_dtype = _cast_input_dtype
+    PeftLinear._cast_input_dtype = _cast_input_dtype
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
             counting = _counting(cls)  # captures PEFT's forward before it is replaced
@@ -329,6 +341,8 @@ def unpatch_peft() -> None:
     """Undo ``patch_peft``: PEFT's DoRA layers run PEFT's own code again (``enable``d models stay on). Idempotent."""
     _PEFT_DORA.forward = _PEFT_FORWARD
     PeftLinear.forward = _PEFT_LINEAR_FORWARD
+    if PeftLinear.__dict__.get("_cast_input_dtype") is _cast_input_dtype:
+        del PeftLinear._cast_input_dtype  # LoraLayer's, inherited, again
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" in cls.__dict__:
             original = cls.__dict__["_flashdora_peft_forward"]

@@ -1,6 +1,7 @@
 """Plain-torch ground truth, written for clarity (the dense ``W + s B A`` is fine here).
 
-Tests and ``flashdora parity`` run these in float64; ``ops/`` and ``kernels/`` never import them.
+Tests and ``flashdora parity`` run these in float64; ``ops/`` uses ``dora_linear_ref`` only under ``torch.func``
+transforms (``dora_linear``'s fallback), ``kernels/`` never.
 """
 
 from __future__ import annotations

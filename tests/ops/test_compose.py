@@ -310,6 +310,7 @@ def _args(**change):
         (dict(magnitude=torch.ones(6, dtype=torch.int64)), TypeError, "magnitude expected a floating dtype"),
         (dict(scaling=float("inf")), ValueError, "scaling expected a finite number, got inf"),
         (dict(magnitude=torch.rand(6, device="meta")), ValueError, "magnitude expected device cpu"),
+        (dict(bias=torch.randn(6).double()), TypeError, r"bias expected dtype torch.float32 \(the dtype of weight"),
     ],
 )
 def test_named_errors(change, error, match):
@@ -326,3 +327,9 @@ def test_lora_x_shape_error():
     args = _args()
     with pytest.raises(ValueError, match=r"dora_linear: lora_x expected shape \[3, 8\]"):
         dora_linear(**args, lora_x=torch.randn(2, 8))
+
+
+def test_lora_x_dtype_error():
+    args = _args()
+    with pytest.raises(TypeError, match=r"dora_linear: lora_x expected dtype torch.float32 \(the dtype of x"):
+        dora_linear(**args, lora_x=torch.randn(3, 8).double())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flashdora import native
 from flashdora.ops import compose as C
-from flashdora.ops.norm import _fresh
+from flashdora.ops.norm import fresh
 from tests.helpers import backward_order
 
 
@@ -63,7 +63,7 @@ def test_cpu_node_matches_python_function(ext, dtype):
     adapter = torch.float64 if dtype == torch.float64 else torch.float32
     x, w, lora_A, lora_B, mag = _layer("cpu", dtype, adapter)
     s = 0.5
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
     dy = torch.randn(2, 7, 40, dtype=dtype)
     grads = []
     for use_node in (False, True):
@@ -84,7 +84,7 @@ def test_cpu_node_matches_python_function(ext, dtype):
 
 def test_cpu_node_checks(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
 
     def forward():
         result, a = F.linear(x, w), F.linear(x, lora_A)
@@ -112,7 +112,7 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, t, d_in, d_out, r)
     with torch.no_grad():
         mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
 
     def run():
@@ -158,7 +158,7 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
     bias = torch.randn(d_out, device="cuda", dtype=torch.bfloat16) if with_bias else None
     with torch.no_grad():
         mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
     autocast = adapter_dtype == torch.float32  # fp32 adapters under autocast; bf16 ones without
 
@@ -191,7 +191,7 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
 @pytest.mark.gpu
 def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_plans(ext, monkeypatch):
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.bfloat16, 5, 32, 48, 4)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
     result = F.linear(x, w).detach()
     with torch.no_grad():
         assert ext.forward(result.transpose(0, 1), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # strided
@@ -208,7 +208,7 @@ def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_pla
 
 def test_cpu_forward_is_left_to_the_python_path(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float32, torch.float32)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
     with torch.no_grad():
         assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # CUDA only
 
@@ -220,7 +220,7 @@ def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, mon
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(C, "_native", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
 
     def forward():
@@ -264,7 +264,7 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(C, "_native", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
     inputs = (x, lora_A, lora_B, mag)
 
@@ -292,7 +292,7 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(C, "_native", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = _fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
 
     def forward(reorder: bool):

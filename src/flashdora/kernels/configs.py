@@ -14,6 +14,8 @@ import triton
 from triton import knobs
 from triton.runtime.autotuner import Heuristics
 
+from flashdora import backend
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -320,8 +322,7 @@ def _launcher(fn, compiled, args: tuple, constexprs: dict) -> tuple:
 
 def _static_ok() -> bool:
     """torch's launcher is there and not switched off (``FLASHDORA_STATIC_LAUNCH=0``: Triton's launcher always)."""
-    off = os.environ.get("FLASHDORA_STATIC_LAUNCH", "1").strip().lower() in ("0", "false", "off", "no")
-    return not off and _raw_stream is not None and _static_launch_fn() is not None
+    return backend.switch("FLASHDORA_STATIC_LAUNCH", True) and _raw_stream is not None and _static_launch_fn() is not None
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Factored DoRA row norm for float32 weights, the finish into DoRA's scales, and the norm's CUDA graph.
+"""Factored DoRA row norm for float32 weights, and the finish into DoRA's scales.
 
 ``||W||^2 + 2s <W A^T, B>_row + s^2 <B G, B>_row`` with ``G = A A^T`` (derivation: docs/math.md). 16-bit weights
 (the common case) take ``norm_gemm``; float32 weights take the fused kernel here, float32-accurate on 3-pass TF32:
@@ -10,9 +10,6 @@ a fixed order; ``||W||^2`` comes from the caller (the norm cache keeps it per we
 """
 
 from __future__ import annotations
-
-import sys
-import warnings
 
 import torch
 import triton
@@ -225,94 +222,6 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
     ``w_sq``: a known ``||W||^2``.
     """
     return _finish(_partials(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
-
-
-_GRAPH_POOLS: dict[int, tuple] = {}
-
-
-def _graph_pool(device: torch.device) -> tuple:
-    """``(pool handle, capture stream)``: every norm graph on ``device`` captures into one memory pool, kept alive
-    for the process, from one side stream.
-
-    A private pool is freed when the last graph captured into it dies (a model deleted, a layer recaptured); the
-    next capture into its handle would then fail. An empty anchor graph captured first holds the pool open. One
-    stream, because cuBLAS keeps a workspace per stream: a stream per capture would leave one in every graph.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    entry = _GRAPH_POOLS.get(index)
-    if entry is None:
-        handle = torch.cuda.graph_pool_handle()
-        anchor = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")  # (empty on purpose)
-            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
-            anchor.capture_end()
-        entry = _GRAPH_POOLS[index] = (handle, stream, anchor)
-    return entry[:2]
-
-
-class NormGraph:
-    """``norm_and_scales`` of one layer captured as a CUDA graph: one host call per recomputation instead of ~8.
-
-    The norm is recomputed once per optimizer step on the same parameter storage, so the launches never change:
-    replaying the graph re-reads W, A, B, the magnitude and ``||W||^2`` (``w_sq``, the cache's buffer) where they
-    live and writes ``out`` (a static ``[4, d_out]`` buffer). Temporaries live in one memory pool per device shared
-    by every layer's graph (graphs replay one at a time on the current stream, and nothing they allocate outlives a
-    replay). One uncaptured run on the capture stream first gives cuBLAS its workspace outside the graph.
-    """
-
-    def __init__(self, weight, lora_A, lora_B, scaling, magnitude, w_sq):
-        pool, stream = _graph_pool(weight.device)
-        self.out = torch.empty((4, weight.shape[0]), dtype=torch.float32, device=weight.device)
-        self.graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream(weight.device))
-        with torch.cuda.stream(stream):
-            norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=self.out, w_sq=w_sq)
-            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=self.out, w_sq=w_sq)
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream(weight.device).wait_stream(stream)
-        self.views = (self.out[0], self.out[1:])  # (norm, scales): handed out by every replay, none made per call
-        self._alone = _holds(self.out, self.views)
-
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replay into the graph's buffer and return its views ``(norm [d_out], scales [3, d_out])``, which the next
-        replay rewrites. ``None`` (no replay) while an earlier result is still held, by a pending backward's saved
-        scales say: a held result must never change, so the caller computes this one apart, and lets go of its own
-        references first (``ops.norm._fresh_graphed``). Where this torch cannot count holders, every replay returns
-        a copy instead."""
-        if self._alone is None:
-            self.graph.replay()
-            out = self.out.clone()
-            return out[0], out[1:]
-        if _holds(self.out, self.views) != self._alone:
-            return None
-        self.graph.replay()
-        return self.views
-
-
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-_refcount = sys.getrefcount
-
-
-def _holders(t: torch.Tensor) -> int | None:
-    """How many references ``t``'s storage has (each tensor or view on it, and a live storage object, holds one);
-    ``None`` where this torch cannot say."""
-    return None if _USE_COUNT is None else _USE_COUNT(t.untyped_storage()._cdata)
-
-
-def _holds(out: torch.Tensor, views: tuple) -> tuple | None:
-    """Who holds ``out`` and its ``views``, as counts: equal to the counts taken when only their owner held them
-    means nothing else does. Anything that can read them later holds their storage (another view or alias:
-    ``_holders``), a view's Python object (a ``ctx``, a list: its reference count) or a view's tensor (a C++
-    autograd node's copy: its use count). ``None`` where this torch cannot count a storage's holders."""
-    storage = _holders(out)
-    if storage is None:
-        return None
-    return (storage, *[_refcount(v) for v in views], *[v._use_count() for v in views])
 
 
 def scales_from_norm(magnitude, norm) -> torch.Tensor:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from flashdora import _checks, backend, native
-from flashdora.ops.norm import dora_scales
+from flashdora.ops.norm_cache import dora_scales
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -174,6 +175,7 @@ class ComposeFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a gradient of this gradient raises (the scales are constants here, as in DoRA's backward)
     def backward(ctx, dy):
         a, inner = ctx.saved_tensors
         scaling, has_lx_base, has_bias, lora_B, b_version, scales, triton = ctx.meta
@@ -235,7 +237,7 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
     unplanned = False
     if lx_base is None and result.is_cuda and native.enabled() and backend.use_triton(result):
         mod = _native if _native is not None else _load_native()
-        if mod is not False and not (torch.is_grad_enabled() and torch._C._are_functorch_transforms_active()):
+        if mod is not False and not (torch.is_grad_enabled() and backend.functorch_active()):
             y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq)
             if y is not None and y is not False:
                 backend.count("triton")
@@ -272,7 +274,7 @@ def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias
     a = _lora_a(lx, lora_A, cd, autocast)  # [..., r]
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
         return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, backend.use_triton(result))[0]
-    if torch._C._are_functorch_transforms_active():
+    if backend.functorch_active():
         return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
     if seq >= 0 and a.grad_fn is not None:
         a.grad_fn._set_sequence_nr(seq)
@@ -369,14 +371,19 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
     if x.dim() < 1 or x.shape[-1] != d_in:
         raise ValueError(f"{fn}: x expected shape [..., {d_in}] (d_in from weight), got {list(x.shape)}")
     _checks.same_device(fn, "weight", weight, x, "x")
-    if not torch.is_autocast_enabled(x.device.type) and x.dtype != weight.dtype:
+    if not torch.is_autocast_enabled(x.device.type) and x.dtype != weight.dtype:  # (autocast casts them alike)
         raise TypeError(
             f"{fn}: x expected dtype {weight.dtype} (the dtype of weight, outside autocast), got {x.dtype}"
         )
+    autocast = torch.is_autocast_enabled(x.device.type)
     if bias is not None:
         _checks.tensor(fn, "bias", bias)
         _checks.shape(fn, "bias", bias, [d_out], "weight's d_out")
         _checks.same_device(fn, "bias", bias, x, "x")
+        if not autocast and bias.dtype != weight.dtype:
+            raise TypeError(
+                f"{fn}: bias expected dtype {weight.dtype} (the dtype of weight, outside autocast), got {bias.dtype}"
+            )
     _checks.tensor(fn, "magnitude", magnitude)
     _checks.shape(fn, "magnitude", magnitude, [d_out], "weight's d_out")
     _checks.same_device(fn, "magnitude", magnitude, x, "x")
@@ -384,7 +391,15 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
         _checks.tensor(fn, "lora_x", lora_x)
         _checks.shape(fn, "lora_x", lora_x, list(x.shape), "x")
         _checks.same_device(fn, "lora_x", lora_x, x, "x")
+        if not autocast and lora_x.dtype != x.dtype:
+            raise TypeError(f"{fn}: lora_x expected dtype {x.dtype} (the dtype of x, outside autocast), got {lora_x.dtype}")
     scaling = _checks.scaling(fn, scaling)
+    if backend.functorch_active():  # torch.func transforms: the plain-torch formula, which composes with all of them
+        backend.count("fallback:torch.func")
+        backend.warn_once("torch.func", "flashdora: dora_linear under a torch.func transform runs plain torch ops")
+        from flashdora.reference import dora_linear_ref
+
+        return dora_linear_ref(x, weight, bias, lora_A, lora_B, magnitude, scaling, lora_x)
 
     scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling)
     result = F.linear(x, weight, bias)

@@ -1,0 +1,224 @@
+"""The norm cache: each DoRA layer's ``(norm, scales)`` kept for as long as its weights are unchanged.
+
+The norm never depends on the input, so a layer needs it once per version of its weights: once per optimizer step
+in training, once in all at inference. The cache is worth what it saves only if it is never stale, so it trusts
+nothing but what PyTorch guarantees (docs/design.md, "The norm cache"). An entry is served only while its key is
+equal, the key being, for each of W, A, B and the magnitude:
+
+- the storage's number: a number given to each storage object the first time the cache sees it, never reused. A
+  new tensor, ``p.data = ...``, ``.to()``/``.half()``, ``swap_tensors``, ``load_state_dict(assign=True)``, a new
+  Parameter, a parametrization's output or ``functional_call``'s tensors are all new storage;
+- the version counter, which every in-place write through autograd's view of the tensor moves (``copy_`` in
+  ``load_state_dict``, in-place ops under ``no_grad``, loop and foreach optimizers);
+- address, shape, strides, dtype and device (views of one storage, storage re-allocated in place);
+
+and the layer's ``scaling`` (PEFT's ``set_scale``, ``scale_layer``), plus two process-wide counters: ``torch.optim``
+steps (fused optimizers write without moving version counters) and events that write weights behind the version
+counter: ``invalidate()``, PEFT's hotswap, ``load_state_dict`` into an enabled layer and the forward of a module
+sharded with FSDP2 (which re-fills the same unsharded storage on every all-gather). What it cannot see: a write
+through an alias that has its own version counter (``p.data.copy_``, numpy or storage aliases, DLPack), outside the
+events above; ``flashdora.invalidate()`` after such a write.
+
+No entry holds more than O(d_out) floats; nothing is captured or overwritten in place (no CUDA graphs), so a result
+handed out stays valid for as long as anyone holds it. Entries live on PEFT's per-adapter magnitude module (the
+"owner") and die with it; copies and pickles of a model start empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from flashdora import backend
+from flashdora.ops.norm import fresh, scales_on, weight_sq
+
+_steps = 0  # torch.optim steps taken in this process
+_events = 0  # other writes the version counters miss (module docstring)
+
+_storage_numbers = itertools.count(1)
+
+
+def cache_enabled() -> bool:
+    """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false``, ``off`` or ``no`` turns the norm cache off."""
+    return backend.switch("FLASHDORA_NORM_CACHE", True)
+
+
+def bump() -> None:
+    """Invalidate every entry in the process (an event the version counters do not see)."""
+    global _events
+    _events += 1
+
+
+def invalidate(model: torch.nn.Module | None = None) -> None:
+    """Forget cached norms, after writing weights where autograd's version counter does not see it.
+
+    ``p.data.copy_(...)``, writes through numpy or storage aliases, DLPack and other tools that bypass autograd
+    change values without a trace; every other route (optimizer steps, in-place ops, ``load_state_dict``, new
+    tensors, ``.to()``, PEFT's APIs) is seen by itself. With ``model``, its layers' entries are also freed now;
+    every layer in the process recomputes its norm at its next forward either way.
+    """
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"invalidate: model expected a torch.nn.Module or None, got {type(model).__name__}")
+        for module in model.modules():
+            module.__dict__.pop("_flashdora_cache", None)
+    bump()
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _steps
+    _steps += 1
+
+
+_hook_handle = None
+
+
+def _watch_optimizers() -> None:
+    """Count every ``torch.optim`` step in the process (any ``Optimizer`` subclass; fused ones included)."""
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook_handle = register_optimizer_step_post_hook(_count_step)
+
+
+def _storage_number(t) -> int:
+    """A number for ``t``'s storage, never given to another storage in this process.
+
+    torch keeps one Python object per live storage, attributes included, so the number lives exactly as long as the
+    storage; a new storage at an old address gets a new number.
+    """
+    s = t.untyped_storage()
+    n = getattr(s, "_flashdora_number", None)
+    if n is None:
+        n = s._flashdora_number = next(_storage_numbers)
+    return n
+
+
+def _keys(w, a, b, m) -> tuple:
+    """Each tensor's ``(address, shape, strides, dtype, device, storage number, version)``, in one call (this runs on
+    every layer call). Raises ``RuntimeError`` for tensors without a version counter (inference tensors)."""
+    n = _storage_number
+    return (
+        (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device, n(w), w._version),
+        (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, n(a), a._version),
+        (b.data_ptr(), b.shape, b.stride(), b.dtype, b.device, n(b), b._version),
+        (m.data_ptr(), m.shape, m.stride(), m.dtype, m.device, n(m), m._version),
+    )
+
+
+class _Entries(dict):
+    """One layer's entries. Copies and pickles of a model start empty: the keys describe this model's storage."""
+
+    def __deepcopy__(self, memo):
+        return _Entries()
+
+    def __reduce__(self):
+        return _Entries, ()
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+def _uncached(weight, lora_A, lora_B, magnitude, scaling) -> torch.Tensor:
+    """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
+    triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
+    return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
+
+
+class NormCache:
+    """Per-layer entries, O(d_out): the norm, ``||W||^2`` and the scales, each with the key it was made for.
+
+    Entries live on an owner object (PEFT's per-adapter magnitude module) and die with it; the compiled path finds
+    them by ``id(owner)`` (``register``).
+    """
+
+    _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    @classmethod
+    def register(cls, owner) -> int:
+        _watch_optimizers()
+        cls._owners[id(owner)] = owner
+        return id(owner)
+
+    @classmethod
+    def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
+        """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
+        owner = cls._owners.get(cache_id) if cache_id >= 0 else None
+        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
+
+    @classmethod
+    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner) -> torch.Tensor:
+        """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it."""
+        if owner is None or weight.is_meta or not cache_enabled():
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling)
+        try:
+            w_key, a_key, b_key, m_key = _keys(weight, lora_A, lora_B, magnitude)
+        except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling)
+        cache = owner.__dict__.get("_flashdora_cache")
+        if cache is None:
+            cache = owner.__dict__["_flashdora_cache"] = _Entries()
+        key = (w_key, a_key, b_key, scaling, _steps, _events)
+        full_key = (key, m_key)
+        if cache.get("scales_key") == full_key:
+            backend.count("norm:cached")
+            return cache["scales"]
+        # Entries are made outside autograd (the inputs may be parameters) and outside inference mode (an inference
+        # tensor kept here could not be saved for a later training step's backward).
+        grad = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
+            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
+        finally:
+            _set_grad_enabled(grad)
+
+    @staticmethod
+    def clear(owner) -> None:
+        owner.__dict__.pop("_flashdora_cache", None)
+
+
+def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling) -> torch.Tensor:
+    triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
+    if cache.get("norm_key") == key:  # only the magnitude moved
+        backend.count("norm:cached")
+        cache["scales"] = scales_on(magnitude, cache["norm"], triton)
+    else:
+        # ||W||^2 once per version of W: a frozen base's survives optimizer steps (W is not among their params)
+        w_key = (key[0], _events, _steps if weight.requires_grad else 0)
+        if cache.get("w_sq_key") != w_key:
+            cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
+        cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
+        cache["norm_key"] = key
+    cache["scales_key"] = full_key
+    return cache["scales"]
+
+
+@torch.library.custom_op("flashdora::dora_scales", mutates_args=())
+def dora_scales_op(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, magnitude: torch.Tensor, scaling: float,
+    cache_id: int,
+) -> torch.Tensor:  # fmt: skip
+    """``scales(magnitude, ||W + s B A||_row)``, from the layer's cache when ``cache_id`` names a registered owner."""
+    return NormCache.lookup(weight, lora_A, lora_B, magnitude, scaling, cache_id).clone()  # no alias of the cache
+
+
+@dora_scales_op.register_fake
+def _(weight, lora_A, lora_B, magnitude, scaling, cache_id):
+    return magnitude.new_empty((3, weight.shape[0]), dtype=torch.promote_types(magnitude.dtype, torch.float32))
+
+
+def dora_scales(weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int = -1) -> torch.Tensor:
+    """The ``[3, d_out]`` scales ``(g, g - 1, 1 / norm)`` of a DoRA layer (detached; see ``ops.norm.scales``).
+
+    Eager calls go straight to the cache (no op-dispatch overhead); under ``torch.compile`` the custom op keeps
+    the cache lookup at run time, opaque to the graph.
+    """
+    if torch.compiler.is_compiling():
+        return dora_scales_op(weight.detach(), lora_A.detach(), lora_B.detach(), magnitude.detach(), scaling, cache_id)
+    return NormCache.lookup(weight, lora_A, lora_B, magnitude, scaling, cache_id)  # no_grad inside where it computes
