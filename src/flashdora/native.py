@@ -5,7 +5,7 @@ A layer of ordinary size is bound by the host. The C++ forward runs the LoRA A m
 kernel the Python path compiled and tuned (its launch plan comes from ``kernels.compose.fwd_plan``), and in training
 hangs the backward node on the output. The Python path's backward is otherwise an ``autograd.Function``: inside a
 model's backward it runs on the autograd engine's device thread, between the C++ nodes of everything else, and there
-its Python cost per layer is several times what the same code costs in a loop (docs/benchmarks.md, thirteenth
+its Python cost per layer is several times what the same code costs in a loop (docs/history.md, thirteenth
 session). The node does the same work in C++: it launches the compose-backward kernel (plan from
 ``kernels.compose.bwd_plan``), then the magnitude gradient's second stage and the two LoRA GEMMs. A call the C++
 forward has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files
@@ -16,7 +16,7 @@ no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) on the 
 layer, into torch's extension cache, once per machine, torch version and version of its source (about a minute;
 later processes load it in a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python path and never
 builds): it gives the Python path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA
-where the Python backward misses it (docs/decisions.md). A build that fails warns once (with the fix) and leaves the
+where the Python backward misses it (docs/history.md). A build that fails warns once (with the fix) and leaves the
 Python path.
 """
 
@@ -37,7 +37,7 @@ _tried = False
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default on, docs/decisions.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
+    """``FLASHDORA_NATIVE`` (default on, docs/history.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
     path and never builds the extension. Read on every call, so it can be switched at any time."""
     return backend.switch("FLASHDORA_NATIVE", True)
 

@@ -1,7 +1,7 @@
 """``flashdora parity --pretrain N``: a pretrained-like start for the training-curve comparison.
 
 From random weights two bf16 trainings of the same model part chaotically, whatever computes them (the noise floor,
-docs/decisions.md). Fine-tuning, which the issue's curve bar comes from, starts from a trained model whose adapter
+docs/history.md). Fine-tuning, which the issue's curve bar comes from, starts from a trained model whose adapter
 is a small correction. So: train the base first (all parameters), attach DoRA, and scale ``lora_B`` so that
 ``s B A`` is a small fraction of ``W``, with each magnitude reset to ``||W + s B A||`` (PEFT's initialisation).
 """
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="STEPS",
         help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
-        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/decisions.md)",
+        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/history.md)",
     )
     parser.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
     parser.add_argument(

@@ -51,7 +51,7 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     )  # fmt: skip
 
 
-# The forward runs once per layer call, where host time is the bottleneck (docs/decisions.md): it reads submodules and
+# The forward runs once per layer call, where host time is the bottleneck (docs/history.md): it reads submodules and
 # parameters from the modules' own dicts. ``nn.Module.__getattr__`` costs a Python call per attribute, and PEFT's
 # ``get_base_layer`` a caught AttributeError per call (about 2 and 5 us on a laptop CPU, against 0.15).
 
@@ -205,7 +205,7 @@ class FlashDoraLinear(PeftLinear):
 
     The same function as PEFT's (``base_layer(x)``, PEFT's cast of ``x``, the variant's forward, the result in the
     base layer's dtype), without PEFT's per-call dispatch: argument checks, properties, module-dict lookups and
-    keyword plumbing, host time a model pays on every layer call (docs/decisions.md). Printed as PEFT's class.
+    keyword plumbing, host time a model pays on every layer call (docs/history.md). Printed as PEFT's class.
     """
 
     def forward(self, x, *args, **kwargs):

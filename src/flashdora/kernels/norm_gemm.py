@@ -5,7 +5,7 @@ weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA 
 
 1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
 2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM reached only
-   half of on an H100 (docs/decisions.md). Written as ``[rows, r]`` or as its transpose, whichever layout cuBLAS
+   half of on an H100 (docs/history.md). Written as ``[rows, r]`` or as its transpose, whichever layout cuBLAS
    runs faster at this shape (timed once per shape).
 3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
    row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
