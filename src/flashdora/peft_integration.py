@@ -121,6 +121,8 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     if not module.training or isinstance(dropout, nn.Identity):
         return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     lora_x = dropout(x)
+    if module.__dict__.get("_flashdora_dropout", _patch_dropout) == "adapter":  # dropout on the low-rank branch only
+        return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
     return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
@@ -290,7 +292,17 @@ def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) 
     return changed
 
 
-def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
+DROPOUT_MODES = ("exact", "adapter")
+_patch_dropout = "exact"  # patch_peft's mode, for layers enable() has not set
+
+
+def _dropout_mode(fn: str, dropout) -> str:
+    if dropout not in DROPOUT_MODES:
+        raise ValueError(f"{fn}: dropout expected one of {', '.join(map(repr, DROPOUT_MODES))}, got {dropout!r}")
+    return dropout
+
+
+def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact") -> nn.Module:
     """Run every DoRA Linear layer (``nn.Linear``, ``Conv1D``) of a PEFT ``model`` through flashdora.
 
     Idempotent; returns ``model``. Adapters added later are PEFT's until ``enable`` is called again (or use
@@ -300,11 +312,20 @@ def enable(model: nn.Module, *, norm_cache: bool = True) -> nn.Module:
         model: a PEFT model (or any module holding PEFT LoRA layers).
         norm_cache: keep each layer's norm until its weights change (default; ``FLASHDORA_NORM_CACHE=0`` turns it
             off process-wide). Calling ``enable`` again clears the cache, e.g. after writing weights via ``.data``.
+        dropout: what ``lora_dropout`` drops in training. ``"exact"`` (default): PEFT's function,
+            ``y = x W^T + b + (g - 1) (lora_x W^T) + g s (lora_x A^T) B^T`` with ``lora_x = dropout(x)`` (one more
+            base-sized matmul forward and backward). ``"adapter"``: dropout on the low-rank branch only,
+            ``y = g (x W^T + s (lora_x A^T) B^T) + b``, at the cost of a layer without dropout: a slightly
+            different function in training (README, "Dropout"); eval, checkpoints and merging are PEFT's either way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: model expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(norm_cache, bool):
         raise TypeError(f"enable: norm_cache expected a bool, got {type(norm_cache).__name__}")
+    _dropout_mode("enable", dropout)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.__dict__["_flashdora_dropout"] = dropout
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     _swap_linear_class(model, FlashDoraLinear)
     watch_writes(model, True)
@@ -318,15 +339,20 @@ def disable(model: nn.Module) -> nn.Module:
     _swap_variants(model, PeftDoraLinearVariant)
     _swap_linear_class(model, PeftLinear)
     watch_writes(model, False)
+    for module in model.modules():
+        module.__dict__.pop("_flashdora_dropout", None)
     return model
 
 
-def patch_peft() -> None:
+def patch_peft(*, dropout: str = "exact") -> None:
     """Process-wide: every PEFT DoRA Linear layer, existing or created later, runs flashdora (PEFT's ``Linear``
     takes ``FlashDoraLinear``'s forward). Idempotent.
 
-    Layers switched with ``disable(model)`` stay on PEFT. Undo with ``unpatch_peft()``.
+    Layers switched with ``disable(model)`` stay on PEFT; layers of an ``enable``d model keep ``enable``'s dropout
+    mode. ``dropout``: as ``enable``'s, for every other layer. Undo with ``unpatch_peft()``.
     """
+    global _patch_dropout
+    _patch_dropout = _dropout_mode("patch_peft", dropout)
     _PEFT_DORA.forward = _FLASH_STATIC
     PeftLinear.forward = _lean_forward
     PeftLinear._cast_input_dtype = _cast_input_dtype
@@ -339,6 +365,8 @@ def patch_peft() -> None:
 
 def unpatch_peft() -> None:
     """Undo ``patch_peft``: PEFT's DoRA layers run PEFT's own code again (``enable``d models stay on). Idempotent."""
+    global _patch_dropout
+    _patch_dropout = "exact"
     _PEFT_DORA.forward = _PEFT_FORWARD
     PeftLinear.forward = _PEFT_LINEAR_FORWARD
     if PeftLinear.__dict__.get("_cast_input_dtype") is _cast_input_dtype:
