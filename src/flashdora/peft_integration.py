@@ -69,10 +69,27 @@ def _param(module: nn.Module, name: str):
     return params[name] if name in params else getattr(module, name, None)
 
 
+_BNB_LAYERS = ("Linear4bit", "Linear8bitLt")  # bitsandbytes' quantized layers (QDoRA): class names, no bnb import
+
+
+def _bnb(base) -> bool:
+    """Whether ``base`` is a bitsandbytes 4-bit or 8-bit Linear layer."""
+    kind = type(base)
+    return kind.__name__ in _BNB_LAYERS and kind.__module__.startswith("bitsandbytes")
+
+
+def _dequantized(base) -> torch.Tensor:
+    """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization)."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    with torch.no_grad():
+        return dequantize_module_weight(base)
+
+
 def _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
-    if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS:
+    if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not _bnb(base):
         return f"quantized:{type(base).__name__}"
     if _param(lora_B_layer, "bias") is not None:
         return "lora_bias"
@@ -109,13 +126,17 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
+    quantized = _bnb(base)  # the cache keys on the packed weight; a miss computes from the dequantized one
+    if quantized and torch.compiler.is_compiling():
+        return _fallback("quantized:compile", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
     weight = weight.T if module.fan_in_fan_out else weight
     scaling = float(module.scaling[active_adapter])
     if torch.compiler.is_compiling():
         scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
         run = compose
     else:  # eager: the cache by its owner, and the compose without the compile checks
-        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner))
+        dense = (lambda: _dequantized(base)) if quantized else None
+        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), dense)
         run = compose_eager
     dropout = mods["lora_dropout"]._modules[active_adapter]
     if not module.training or isinstance(dropout, nn.Identity):
@@ -124,7 +145,8 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     if module.__dict__.get("_flashdora_dropout", _patch_dropout) == "adapter":  # dropout on the low-rank branch only
         return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
-    w = weight if torch.is_autocast_enabled(x.device.type) else weight.to(lora_x.dtype)
+    w = _dequantized(base) if quantized else weight  # (PEFT's QDoRA dequantizes here too)
+    w = w if torch.is_autocast_enabled(x.device.type) else w.to(lora_x.dtype)
     return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 
 

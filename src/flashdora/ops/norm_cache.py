@@ -122,8 +122,9 @@ class _Entries(dict):
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _uncached(weight, lora_A, lora_B, magnitude, scaling) -> torch.Tensor:
+def _uncached(weight, lora_A, lora_B, magnitude, scaling, dense=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
+    weight = weight if dense is None else dense()
     triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
     return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
 
@@ -150,14 +151,17 @@ class NormCache:
         return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
 
     @classmethod
-    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner) -> torch.Tensor:
-        """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it."""
+    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, dense=None) -> torch.Tensor:
+        """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
+
+        ``dense``: for a quantized base, ``weight`` is the packed tensor the key is made of, and ``dense()`` gives the
+        dense weight a miss computes the norm from (freed once it has)."""
         if owner is None or weight.is_meta or not cache_enabled():
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
         try:
             w_key, a_key, b_key, m_key = _keys(weight, lora_A, lora_B, magnitude)
         except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
@@ -173,8 +177,8 @@ class NormCache:
         try:
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
-                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
-            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling)
+                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense)
+            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense)
         finally:
             _set_grad_enabled(grad)
 
@@ -183,14 +187,15 @@ class NormCache:
         owner.__dict__.pop("_flashdora_cache", None)
 
 
-def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling) -> torch.Tensor:
-    triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
+def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense=None) -> torch.Tensor:
     if cache.get("norm_key") == key:  # only the magnitude moved
         backend.count("norm:cached")
-        cache["scales"] = scales_on(magnitude, cache["norm"], triton)
+        cache["scales"] = scales_on(magnitude, cache["norm"], backend.use_triton(lora_A, lora_B, magnitude))
     else:
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps (W is not among their params)
         w_key = (key[0], _events, _steps if weight.requires_grad else 0)
+        weight = weight if dense is None else dense()
+        triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if cache.get("w_sq_key") != w_key:
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
         cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])

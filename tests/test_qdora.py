@@ -1,0 +1,147 @@
+"""QDoRA: DoRA on bitsandbytes 4-bit and 8-bit bases (bitsandbytes' CPU backend runs them here)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flashdora
+from tests.helpers import rel_err
+from tests.peft_models import unpatched  # noqa: F401 (fixture)
+
+bnb = pytest.importorskip("bitsandbytes")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: str) -> None:
+    """Every Linear but the LM head replaced by a bitsandbytes layer holding the same weights."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and name != "lm_head":
+            if kind == "int8":
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                            has_fp16_weights=False)  # fmt: skip
+                layer.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+            else:
+                layer = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
+                    quant_type=kind.removesuffix("-dq"), compress_statistics=kind.endswith("-dq"),
+                )  # fmt: skip
+                layer.weight = bnb.nn.Params4bit(
+                    child.weight.data.clone(), requires_grad=False, quant_type=kind.removesuffix("-dq"),
+                    compress_statistics=kind.endswith("-dq"),
+                )  # fmt: skip
+                # (on AVX512-BF16 hosts bitsandbytes rewrites the layout in place at the first eval forward, after
+                # which PEFT's dequantization reads garbage)
+                layer.support_avx512bf16_for_cpu = False
+            setattr(module, name, layer.to(device))  # (int8 quantizes when moved to CUDA)
+        else:
+            _quantize(child, kind, compute_dtype, device)
+
+
+def _model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
+    base = LlamaForCausalLM(config).to(device)
+    _quantize(base, kind, compute_dtype, device)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, target_modules=TARGETS,
+                      init_lora_weights=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(base, lora)
+
+
+def _ids(seed=1):
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, ids, seed=5):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+KINDS = [
+    pytest.param("nf4", "cpu", id="nf4"),
+    pytest.param("fp4", "cpu", id="fp4"),
+    pytest.param("nf4-dq", "cpu", id="nf4-dq"),
+    pytest.param("nf4", "cuda", id="nf4-cuda", marks=pytest.mark.gpu),
+    pytest.param("int8", "cuda", id="int8-cuda", marks=pytest.mark.gpu),  # (bitsandbytes quantizes int8 on CUDA)
+]
+
+
+@pytest.mark.parametrize("kind, device", KINDS)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_qdora_matches_peft(kind, device, dropout):
+    """Eval logits and a training step's gradients (dropout masks alike) as PEFT's own QDoRA computes them, fp32
+    compute; flashdora ran every layer (no fallback)."""
+    model = _model(kind, dropout=dropout, device=device)
+    twin = copy.deepcopy(model)
+    flashdora.enable(model)
+    flashdora.reset_stats()
+    ids = _ids().to(device)
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, twin(input_ids=ids).logits) <= 1e-5
+    logits, grads = _step(model, ids)
+    ref_logits, ref_grads = _step(twin, ids)
+    assert rel_err(logits, ref_logits) <= 1e-5
+    assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 1e-4, name
+    stats = flashdora.stats()
+    assert not any(k.startswith("peft_fallback") for k in stats), stats
+    assert stats.get("norm:eager", 0) + stats.get("norm:triton", 0) > 0
+
+
+def test_qdora_bf16_compute_within_peft_error():
+    """bf16 compute: flashdora's error against a float32-compute reference is no larger than PEFT's own."""
+    ids = _ids()
+    outs = {}
+    for name, dtype, enabled in [("ref", torch.float32, False), ("peft", torch.bfloat16, False),
+                                 ("flash", torch.bfloat16, True)]:  # fmt: skip
+        model = _model("nf4", compute_dtype=dtype)
+        if enabled:
+            flashdora.enable(model)
+        model.eval()
+        with torch.no_grad():
+            outs[name] = model(input_ids=ids).logits.float()
+    assert rel_err(outs["flash"], outs["ref"]) <= 1.5 * rel_err(outs["peft"], outs["ref"]) + 1e-6
+
+
+def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
+    """Over several optimizer steps the frozen quantized base's ``||W||^2`` is computed once per layer, and the
+    norm dequantizes the weight only in its compute dtype (bf16 here): never a float32 ``[d_out, d_in]`` weight."""
+    from flashdora.ops import norm as norm_ops
+    from flashdora.ops import norm_cache
+
+    model = _model("nf4", compute_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.quant_state.dtype = torch.bfloat16  # the dequantized dtype: the layer's compute dtype
+    flashdora.enable(model)
+    calls, shapes = [], []
+    real = norm_ops.weight_sq
+
+    def counting(weight, triton):
+        calls.append(weight.shape)
+        shapes.append(weight.dtype)
+        return real(weight, triton)
+
+    monkeypatch.setattr(norm_cache, "weight_sq", counting)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(3):
+        _step(model, _ids(step))
+        opt.step()
+    n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert len(calls) == n_layers  # once per layer, not once per step
+    assert set(shapes) == {torch.bfloat16}
