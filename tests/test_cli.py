@@ -1,19 +1,37 @@
-import pytest
+import subprocess
+import sys
 
-from flashdora.cli import build_parser, main
+import pytest
+import torch
+
+from flashdora import cli
+from flashdora.cli import UsageError, build_parser, main
 
 
 def test_demo_runs_and_prints_the_table(capsys):
-    assert main(["demo", "--size", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--rank", "4"]) == 0
+    argv = ["demo", "--size", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--rank", "4", "--device", "cpu"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "PEFT DoRA" in out and "flashdora" in out and "max |delta loss|" in out
+    assert "PEFT DoRA" in out and "flashdora (eager)" in out and "max |delta loss|" in out
     delta = float(out.split("max |delta loss| over 2 steps: ")[1].split()[0])
     assert delta < 1e-5
+    # CPU timings are PEFT vs flashdora's eager path, and the output says so
+    text = " ".join(out.split())
+    assert "speed-up (eager, cpu)" in text
+    assert "note: on cpu flashdora ran its eager path (plain PyTorch), not its Triton kernels on a GPU" in text
+    assert "not flashdora's GPU speed" in text
 
 
-def test_demo_rejects_bad_arguments():
-    with pytest.raises(SystemExit, match="--steps, --batch and --rank must be >= 1"):
-        main(["demo", "--size", "tiny", "--steps", "0"])
+def test_demo_speed_note_names_the_path():
+    from flashdora.demo import flashdora_path, speed_note
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert flashdora_path(cuda, {"triton": 3, "norm:triton": 3}) is None  # the real thing: no note
+    assert flashdora_path(cuda, {"eager": 3}) == "eager"
+    assert flashdora_path(cpu, {"eager": 3}) == "eager"
+    assert flashdora_path(cpu, {"triton": 3}) == "Triton interpreter"
+    assert "FLASHDORA_BACKEND=eager" in speed_note(cuda, "eager")
+    assert "under the Triton interpreter" in speed_note(cpu, "Triton interpreter")
 
 
 def test_every_subcommand_has_help():
@@ -22,3 +40,103 @@ def test_every_subcommand_has_help():
         with pytest.raises(SystemExit) as exit_info:
             parser.parse_args(argv)
         assert exit_info.value.code == 0
+
+
+@pytest.fixture
+def no_command_runs(monkeypatch):
+    """``main`` must stop before it imports the command's module."""
+
+    def refuse(args):
+        raise AssertionError(f"main ran {args._module} before rejecting the options")
+
+    monkeypatch.setattr(cli, "_run", refuse)
+
+
+BAD = [
+    pytest.param(["demo", "--steps", "0"], "--steps expected >= 1, got 0", id="demo-steps"),
+    pytest.param(["demo", "--rank", "-4"], "--rank expected >= 1, got -4", id="demo-rank"),
+    pytest.param(["demo", "--seq", "0"], "--seq expected >= 1, got 0", id="demo-seq"),
+    pytest.param(["demo", "--dropout", "1.5"], r"--dropout expected 0 <= p < 1, got 1.5", id="demo-dropout"),
+    pytest.param(["parity", "--seeds", "0"], "--seeds expected >= 1, got 0", id="parity-seeds"),
+    pytest.param(["parity", "--first-seed", "-1"], "--first-seed expected >= 0, got -1", id="parity-first-seed"),
+    pytest.param(["parity", "--lr", "0"], "--lr expected a finite number > 0, got 0.0", id="parity-lr"),
+    pytest.param(["parity", "--lr", "nan"], "--lr expected a finite number > 0, got nan", id="parity-lr-nan"),
+    pytest.param(["parity", "--lora-b-ratio", "-1"], "--lora-b-ratio expected a finite", id="parity-ratio"),
+    pytest.param(["parity", "--merge", "missing.json"], "--merge missing.json: no such file", id="parity-merge"),
+    pytest.param(["bench", "layer", "--ranks", "16", "0"], r"--ranks expected values >= 1, got \[16, 0\]", id="ranks"),
+    pytest.param(["bench", "layer", "--tokens", "-8"], r"--tokens expected values >= 1, got \[-8\]", id="tokens"),
+    pytest.param(["bench", "layer", "--reps", "0"], "--reps expected >= 1, got 0", id="layer-reps"),
+    pytest.param(["bench", "layer", "--warmup", "-1"], "--warmup expected >= 0, got -1", id="layer-warmup"),
+    pytest.param(["bench", "layer", "--norm-rank", "0"], "--norm-rank expected >= 1", id="layer-norm-rank"),
+    pytest.param(["bench", "layer", "--shapes", "0x8"], "--shapes: shape expected positive sizes", id="shape"),
+    pytest.param(["bench", "layer", "--interleave", "--rounds", "2"], "--interleave .* no --rounds", id="interleave"),
+    pytest.param(["bench", "model", "--rank", "0"], "--rank expected >= 1, got 0", id="model-rank"),
+    pytest.param(["bench", "model", "--new-tokens", "0"], "--new-tokens expected >= 1, got 0", id="new-tokens"),
+    pytest.param(["bench", "model", "--layers", "0"], "--layers expected >= 1, got 0", id="layers"),
+    pytest.param(["bench", "model", "--grad-accum", "0"], "--grad-accum expected >= 1, got 0", id="grad-accum"),
+    pytest.param(["bench", "model", "--config", "missing.json"], "--config missing.json: no such file", id="config"),
+    pytest.param(["bench", "model", "--rounds", "2", "--compile"], "--rounds > 1 with --compile", id="rounds-compile"),
+    pytest.param(["bench", "model", "--phases", "decode", "--compile"], "decode without it", id="decode-compile"),
+    pytest.param(["bench", "model", "--device", "gpu"], "--device gpu: expected cpu, cuda or cuda:N", id="device"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD)
+def test_bad_options_fail_at_once_naming_the_option(argv, message, capsys, no_command_runs):
+    with pytest.raises(UsageError, match=message) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: flashdora") and "error: " + exit_info.value.message in err
+
+
+@pytest.mark.parametrize("command", [["demo"], ["parity"], ["bench", "layer"], ["bench", "model"]], ids=" ".join)
+def test_cuda_device_without_cuda_fails_at_once(command, monkeypatch, capsys, no_command_runs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError) as exit_info:
+        main([*command, "--device", "cuda"])
+    assert exit_info.value.code == 2
+    expected = "--device cuda: CUDA is not available on this machine (torch.cuda.is_available() is False)"
+    assert exit_info.value.message == expected
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {expected}")
+
+
+def test_cuda_index_beyond_the_machines_devices(monkeypatch, no_command_runs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UsageError, match=r"--device cuda:2: this machine has 2 CUDA device\(s\)"):
+        main(["bench", "layer", "--device", "cuda:2"])
+
+
+def test_device_defaults_to_cuda_when_available(monkeypatch):
+    parser = build_parser()
+    for available, expected in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        args = parser.parse_args(["bench", "model"])
+        cli.check(args)
+        assert args.device == expected
+
+
+def test_cuda_device_without_cuda_from_the_shell():
+    """The user's view: exit code 2, no traceback, and a last line that names the option."""
+    code = "import sys, torch; torch.cuda.is_available = lambda: False; import flashdora.cli as c; sys.exit(c.main())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "bench", "model", "--device", "cuda"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (
+        "flashdora bench model: error: --device cuda: CUDA is not available on this machine "
+        "(torch.cuda.is_available() is False)"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, no_command_runs):
+    find_spec = cli.importlib.util.find_spec
+    no_matplotlib = lambda name: None if name == "matplotlib" else find_spec(name)  # noqa: E731
+    monkeypatch.setattr(cli.importlib.util, "find_spec", no_matplotlib)
+    with pytest.raises(UsageError, match=r"flashdora bench model needs matplotlib: pip install 'flashdora\[bench\]'"):
+        main(["bench", "model", "--device", "cpu"])
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UsageError, match=r"flashdora demo needs rich: pip install 'flashdora\[cli\]'"):
+        main(["demo", "--device", "cpu"])

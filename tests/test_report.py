@@ -34,3 +34,24 @@ def test_report_of_a_model_without_dora():
     assert "no DoRA layers found" in flashdora.report(torch.nn.Linear(2, 2), print_table=False)
     with pytest.raises(TypeError, match="report: model expected a torch.nn.Module"):
         flashdora.report(42)
+
+
+def test_report_prints_whole_module_names(capsys):
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    model = nn.Module()
+    inner = model
+    for i in range(12):  # a deep tree: the projections' names pass 100 characters
+        setattr(inner, f"stage_{i}_blocks", nn.Module())
+        inner = getattr(inner, f"stage_{i}_blocks")
+    inner.q_proj, inner.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    config = LoraConfig(r=2, target_modules=["q_proj", "k_proj"], use_dora=True, init_lora_weights=False)
+    peft_model = flashdora.enable(get_peft_model(model, config))
+    names = [n for n, m in peft_model.named_modules() if n.endswith(("q_proj", "k_proj")) and hasattr(m, "lora_A")]
+    assert len(names) == 2 and min(map(len, names)) > 100
+    text = flashdora.report(peft_model)
+    printed = capsys.readouterr().out
+    for name in names:
+        assert name in text and name in printed  # whole, on one line: q_proj and k_proj told apart
+    assert "DoRA layers by path: flashdora:eager: 2" in printed

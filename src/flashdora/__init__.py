@@ -4,24 +4,38 @@ import flashdora
 flashdora.enable(peft_model)   # or flashdora.patch_peft() before building the model
 """
 
-from flashdora.backend import reset_stats, stats
-from flashdora.ops import dora_linear, factored_norm
-from flashdora.ops.norm_cache import invalidate
-from flashdora.peft_integration import disable, enable, patch_peft, unpatch_peft
-from flashdora.report import report
+import importlib
+import sys
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "factored_norm",
-    "dora_linear",
-    "enable",
-    "disable",
-    "patch_peft",
-    "unpatch_peft",
-    "stats",
-    "reset_stats",
-    "report",
-    "invalidate",
-    "__version__",
-]
+# public name -> module that defines it; loaded on first use (PEP 562), so `flashdora --help` imports no torch
+_EXPORTS = {
+    "factored_norm": "flashdora.ops",
+    "dora_linear": "flashdora.ops",
+    "enable": "flashdora.peft_integration",
+    "disable": "flashdora.peft_integration",
+    "patch_peft": "flashdora.peft_integration",
+    "unpatch_peft": "flashdora.peft_integration",
+    "stats": "flashdora.backend",
+    "reset_stats": "flashdora.backend",
+    "report": "flashdora.report",
+    "invalidate": "flashdora.ops.norm_cache",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flashdora' has no attribute {name!r}")
+    for export, module in _EXPORTS.items():  # all at once: importing flashdora.report binds the module to `report`
+        globals()[export] = getattr(importlib.import_module(module), export)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if "peft" in sys.modules:  # PEFT already loaded (and torch with it): wrap its hotswap functions now (docs/design.md)
+    importlib.import_module("flashdora.watch")

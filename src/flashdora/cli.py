@@ -1,41 +1,382 @@
-"""``flashdora`` command line: ``demo``, ``bench layer``, ``bench model``, ``parity``; each module does the work."""
+"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer``, ``bench model``; each module does the work.
+
+The parsers are built here from plain constants, so ``--help`` and a bad option cost no torch import (the modules
+behind the commands import torch, transformers and peft). ``main`` checks the options (``check``) before it imports
+the command's module and calls its ``run(args)``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import math
+import re
 import sys
+from pathlib import Path
 
-# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+# Choices, as plain constants; tests/test_cli_help.py checks each against the module that owns it.
+DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.demo.SIZES
+PARITY_DTYPES = ("fp32", "autocast")  # flashdora.parity.MODES
+LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.layer_render.MODES
+LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
+MODEL_PRESETS = ("tiny", "llama3-8b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
+MODEL_MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")  # bench.model_render.MODES
+MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.bench.model_render.PHASES
+# ``bench layer``'s defaults
+LAYER_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
+LAYER_RANKS = (16, 64, 384)
+LAYER_TOKENS = (2048, 8192)
+LAYER_DTYPES = ("autocast", "bf16")
+
+# command -> module with run(args) -> int, and its one-line help
 _COMMANDS = {
     "demo": ("flashdora.demo", "train a small Llama-style model with PEFT DoRA and with flashdora; compare"),
     "parity": ("flashdora.parity", "logit fidelity vs PEFT and float64, and training-curve parity"),
+    "bench layer": ("flashdora.bench.layer", "one DoRA layer: PEFT LoRA vs PEFT DoRA vs flashdora (GPU)"),
+    "bench model": ("flashdora.bench.model", "a whole model from a transformers config: modes x phases (GPU)"),
 }
-_BENCH = {
-    "layer": ("flashdora.bench.layer", "one DoRA layer: PEFT LoRA vs PEFT DoRA vs flashdora (GPU)"),
-    "model": ("flashdora.bench.model", "a whole model from a transformers config: modes x phases (GPU)"),
+_GROUPS = {"bench": "GPU benchmarks against PEFT"}
+# command -> (optional packages it needs, the pyproject extra that brings them)
+_NEEDS = {
+    "demo": (("rich",), "cli"),
+    "parity": (("rich", "matplotlib"), "bench"),
+    "bench layer": (("rich", "matplotlib"), "bench"),
+    "bench model": (("rich", "matplotlib"), "bench"),
+}
+
+
+class UsageError(SystemExit):
+    """``parser.error``'s exit (status 2) that keeps its message, so a caller of ``main`` sees why, not just ``2``."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise UsageError(message)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"4096x14336"`` -> ``(4096, 14336)`` as (d_in, d_out)."""
+    try:
+        d_in, d_out = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape expected D_INxD_OUT such as 4096x14336, got {text!r}") from None
+    if d_in < 1 or d_out < 1:
+        raise argparse.ArgumentTypeError(f"shape expected positive sizes, got {text!r}")
+    return d_in, d_out
+
+
+def _common(p: argparse.ArgumentParser, results: bool) -> None:
+    """``--device``, ``--seed`` and, for commands that write result files, ``--out`` and ``--tag``."""
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: %(default)s)")
+    if results:
+        p.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
+        p.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--size", choices=DEMO_SIZES, default=None, help="model size (default: small on CPU, medium on CUDA)"
+    )
+    p.add_argument("--steps", type=int, default=8, help="training steps per run (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 128 on CPU, 512 on CUDA)")
+    p.add_argument("--rank", type=int, default=16, help="DoRA rank (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.05, help="lora_dropout, 0 <= p < 1 (default: %(default)s)")
+    _common(p, results=False)
+
+
+def add_parity_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=DEMO_SIZES, default=None, help="model size (default: tiny on CPU, wide on CUDA)")
+    p.add_argument("--steps", type=int, default=50, help="training steps per seed (default: %(default)s)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds, each a fresh model and data order (default: 1)")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds run are first-seed .. first-seed + seeds - 1 (default 0), so a long comparison can be split over "
+        "several runs",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
+        "chaotic training reaches between two runs of the same model (takes half as long again)",
+    )
+    # the same three options as flashdora.parity_pretrain.add_arguments (tests/test_cli_help.py compares them)
+    p.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
+        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/history.md)",
+    )
+    p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
+    p.add_argument(
+        "--lora-b-ratio",
+        type=float,
+        default=0.07,
+        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
+    )
+    p.add_argument("--rank", type=int, default=16, help="DoRA rank (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.05, help="lora_dropout, 0 <= p < 1 (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 64 on CPU, 512 on CUDA)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        choices=PARITY_DTYPES,
+        default=None,
+        help="training precision: fp32, or bf16 autocast over fp32 weights (default: autocast on CUDA, fp32 on CPU); "
+        "the logit check always runs both",
+    )
+    _common(p, results=True)
+    p.add_argument("--no-check", action="store_true", help="exit 0 even when a bar fails")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="combine parity results of the same settings on different seeds (e.g. one --first-seed per device call) "
+        "into one result; trains nothing",
+    )
+
+
+def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=[parse_shape(s) for s in LAYER_SHAPES],
+        metavar="DINxDOUT",
+        help=f"layer shapes d_in x d_out (default: {' '.join(LAYER_SHAPES)})",
+    )
+    p.add_argument("--ranks", nargs="+", type=int, default=list(LAYER_RANKS), help="LoRA ranks (default: %(default)s)")
+    p.add_argument(
+        "--tokens", nargs="+", type=int, default=list(LAYER_TOKENS), help="tokens per call (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=LAYER_DTYPES,
+        default=list(LAYER_DTYPES),
+        help="autocast: bf16 weight, fp32 adapters, bf16 autocast; bf16: everything bf16 (default: both)",
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=LAYER_MODES, default=list(LAYER_MODES), help="modes to time (default: all)"
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=LAYER_PHASES,
+        default=list(LAYER_PHASES),
+        help="forward: no grad, fixed weights; fwd_bwd: forward and backward, weights marked changed (default: both)",
+    )
+    p.add_argument("--reps", type=int, default=20, help="timed calls per row; the median is reported (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default: %(default)s)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every (tokens, phase) this many times over its modes, every second round in reverse order, and "
+        "pool the rounds' calls (the median of all of them; round_ms: each round's median)",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the modes call by call (every timed step runs each mode once, the order rotated step by step), so "
+        "a change of the host's load hits every mode alike, but no mode runs right after itself as a model's layers "
+        "do (a colder host: docs/history.md); --reps calls per mode; peak memory from a separate run of each mode "
+        "(at most 5 calls); not with --rounds",
+    )
+    p.add_argument(
+        "--norm-shape",
+        type=parse_shape,
+        default=(8192, 28672),
+        metavar="DINxDOUT",
+        help="shape of the PEFT-norm vs factored-norm comparison (default: 8192x28672)",
+    )
+    p.add_argument("--norm-rank", type=int, default=384, help="rank of that comparison (default: %(default)s)")
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel, device-peak and norm sections")
+    _common(p, results=True)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
+    p.add_argument("--layers", type=int, help="override the number of decoder layers")
+    p.add_argument("--rank", type=int, default=384, help="LoRA rank; lora_alpha = rank (default: %(default)s)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODEL_MODES,
+        default=list(MODEL_MODES),
+        help="base: no adapters; flashdora_nocache: flashdora with its norm cache off (default: all)",
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=MODEL_PHASES,
+        default=["inference", "grad"],
+        help="inference: forward without grad; grad: forward + backward, no optimizer step; train: forward + "
+        "backward + AdamW step + zero_grad; decode: generate --new-tokens tokens after a --prompt-token prompt, "
+        "batch 1, KV cache, reported per generated token (default: inference grad)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("autocast", "bf16"),
+        default="autocast",
+        help="autocast: bf16 model, fp32 adapters (PEFT's default), bf16 autocast; bf16: all bf16",
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences per step, not decode's (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, not decode's (default: %(default)s)")
+    p.add_argument("--prompt", type=int, default=32, help="decode: prompt tokens, batch 1 (default: %(default)s)")
+    p.add_argument(
+        "--new-tokens", type=int, default=64, help="decode: tokens generated per timed step (default: %(default)s)"
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed steps per row and round; the median is reported")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the whole sequence of modes this many times, every second round in reverse order, and pool "
+        "each row's timed steps, so that a host that speeds up or slows down during the run, or a position in the "
+        "order, weighs on every mode alike (eager only)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default: %(default)s)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")
+    p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    p.add_argument("--compile", action="store_true", help="torch.compile each mode's model (not with decode)")
+    _common(p, results=True)
+
+
+_ADD = {
+    "demo": add_demo_arguments,
+    "parity": add_parity_arguments,
+    "bench layer": add_layer_arguments,
+    "bench model": add_model_arguments,
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdora", description="DoRA at the cost of LoRA, for PEFT users.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
-        p.set_defaults(_module=module)
-    bench = sub.add_parser("bench", help="GPU benchmarks against PEFT").add_subparsers(dest="bench", required=True)
-    for name, (module, help_text) in _BENCH.items():
-        p = bench.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
-        p.set_defaults(_module=module)
+    """The ``flashdora`` parser; imports nothing heavy."""
+    parser = _Parser(prog="flashdora", description="DoRA at the cost of LoRA, for PEFT users.")
+    groups = {"": parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to run")}
+    for command, (module, help_text) in _COMMANDS.items():
+        group, _, name = command.rpartition(" ")
+        if group not in groups:  # ``bench``: a command of commands
+            g = groups[""].add_parser(group, help=_GROUPS[group], description=_GROUPS[group])
+            groups[group] = g.add_subparsers(dest=group, required=True, metavar=group.upper(), help="what to run")
+        p = groups[group].add_parser(name, help=help_text, description=help_text)
+        _ADD[command](p)
+        p.set_defaults(_module=module, _command=command, _parser=p)
     return parser
+
+
+# command -> {option dest: least value}; a list option's every value is checked
+_AT_LEAST = {
+    "demo": {"steps": 1, "batch": 1, "seq": 1, "rank": 1},
+    "parity": {"steps": 1, "seeds": 1, "first_seed": 0, "pretrain": 0, "rank": 1, "seq": 1, "batch": 1},
+    "bench layer": {"ranks": 1, "tokens": 1, "reps": 1, "warmup": 0, "rounds": 1, "norm_rank": 1},
+    "bench model": {
+        **{k: 1 for k in ("layers", "rank", "batch", "seq", "prompt", "new_tokens", "reps", "rounds", "grad_accum")},
+        "warmup": 0,
+    },
+}
+_POSITIVE = {"parity": ("lr", "pretrain_lr", "lora_b_ratio")}  # finite floats > 0
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_values(args: argparse.Namespace, error) -> None:
+    """Integers below their least value, non-positive rates, a dropout outside [0, 1)."""
+    for dest, least in _AT_LEAST[args._command].items():
+        value = getattr(args, dest)
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        if any(v < least for v in values):
+            error(f"{_option(dest)} expected {'values ' if isinstance(value, list) else ''}>= {least}, got {value}")
+    for dest in _POSITIVE.get(args._command, ()):
+        value = getattr(args, dest)
+        if not (math.isfinite(value) and value > 0):
+            error(f"{_option(dest)} expected a finite number > 0, got {value}")
+    dropout = getattr(args, "dropout", 0.0)
+    if not 0 <= dropout < 1:
+        error(f"--dropout expected 0 <= p < 1, got {dropout}")
+
+
+def _check_combinations(args: argparse.Namespace, error) -> None:
+    """Options that exclude each other, and files that must exist."""
+    if args._command == "bench layer" and args.interleave and args.rounds > 1:
+        error(f"--interleave times the modes call by call; it takes no --rounds (got {args.rounds}): raise --reps")
+    if args._command == "bench model":
+        if args.rounds > 1 and args.compile:
+            error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
+        if args.compile and "decode" in args.phases:
+            error("--compile does not reach generate's forward passes; run decode without it")
+        if args.config is not None and not args.config.is_file():
+            error(f"--config {args.config}: no such file")
+    for path in getattr(args, "merge", None) or ():
+        if not Path(path).is_file():
+            error(f"--merge {path}: no such file")
+
+
+def _check_device(args: argparse.Namespace, error) -> None:
+    """``--device`` names a device this machine has; unset, it becomes cuda when available, else cpu."""
+    if args.device is not None and not _DEVICE.fullmatch(args.device):
+        error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if args.device == "cpu":
+        return
+    import torch  # only here: --help and the checks above need no torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif not torch.cuda.is_available():
+        error(f"--device {args.device}: CUDA is not available on this machine (torch.cuda.is_available() is False)")
+    elif ":" in args.device and int(args.device.split(":")[1]) >= torch.cuda.device_count():
+        error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_packages(args: argparse.Namespace, error) -> None:
+    """The optional packages the command needs are installed (found, not imported)."""
+    packages, extra = _NEEDS[args._command]
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        error(f"flashdora {args._command} needs {' and '.join(missing)}: pip install 'flashdora[{extra}]'")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Validate parsed options before any work (``parser.error``: exit 2, the option named); resolves ``--device``."""
+    error = args._parser.error
+    _check_packages(args, error)
+    _check_values(args, error)
+    _check_combinations(args, error)
+    if not getattr(args, "merge", None):  # a merge trains nothing: the device comes from its files
+        _check_device(args, error)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    check(args)
     args._argv = ["flashdora", *argv]  # the exact command, for result files
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Import the command's module (torch, transformers and peft come with it) and run it."""
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

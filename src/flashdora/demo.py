@@ -23,7 +23,7 @@ SIZES = {
     # `flashdora parity` on CUDA: ~135M base parameters, the byte-level vocabulary (+84M adapter ones at r = 384)
     "base": (1024, 12, 2816, 16, 4, 256),
     # `flashdora parity --steps 2000` on CUDA: ~180M base parameters in 4 wide layers (+56M adapter ones at r = 384);
-    # a third of base's launches per step, so a 2000-step run fits a short GPU session (docs/decisions.md)
+    # a third of base's launches per step, so a 2000-step run fits a short GPU session (docs/history.md)
     "wide": (2048, 4, 5632, 16, 4, 256),
 }
 
@@ -61,19 +61,6 @@ def build_peft_model(size: str, rank: int, dropout: float, device, seed: int = 0
     return get_peft_model(model, lora)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help="model size (default: small on CPU, medium on CUDA)"
-    )
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128 CPU, 512 CUDA)")
-    parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
-    parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
 def _train(model, batches, steps, device, autocast, progress, task):
     """AdamW steps on the adapter parameters; returns (losses, ms per step, peak MiB or None, final logits)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -108,13 +95,30 @@ def _train(model, batches, steps, device, autocast, progress, task):
     return losses, steady[len(steady) // 2], peak, logits
 
 
+def flashdora_path(device: torch.device, counts: dict[str, int]) -> str | None:
+    """What flashdora's timings measured when it was not its Triton kernels on CUDA: ``eager`` (plain PyTorch) or
+    ``Triton interpreter``; None when it was."""
+    if device.type == "cuda" and counts.get("triton"):
+        return None
+    return "Triton interpreter" if counts.get("triton") else "eager"
+
+
+def speed_note(device: torch.device, path: str) -> str:
+    """Why the demo's timings are not flashdora's GPU speed (``path`` from ``flashdora_path``)."""
+    ran = "its eager path (plain PyTorch)" if path == "eager" else "its Triton kernels under the Triton interpreter"
+    why = "FLASHDORA_BACKEND=eager, or no Triton" if device.type == "cuda" else "run the demo on CUDA for that"
+    return (
+        f"note: on {device.type} flashdora ran {ran}, not its Triton kernels on a GPU: these timings compare PEFT "
+        f"DoRA with that path and are not flashdora's GPU speed ({why})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    """The demo; ``args`` as ``flashdora.cli`` parses and checks them."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    if args.steps < 1 or args.batch < 1 or args.rank < 1:
-        raise SystemExit("flashdora demo: --steps, --batch and --rank must be >= 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     size = args.size or ("medium" if cuda else "small")
@@ -149,14 +153,19 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="PEFT DoRA vs flashdora (same weights, batches and dropout masks)")
     for col in ("", "ms / step (median)", "peak MiB", "final loss"):
         table.add_column(col, justify="right")
+    path = flashdora_path(device, counts)
     for name, (losses, ms, peak, _) in results.items():
-        table.add_row(name, f"{ms:.1f}", "-" if peak is None else f"{peak:.0f}", f"{losses[-1]:.5f}")
+        label = f"flashdora ({path})" if name == "flashdora" and path else name
+        table.add_row(label, f"{ms:.1f}", "-" if peak is None else f"{peak:.0f}", f"{losses[-1]:.5f}")
     console.print(table)
     d_loss = max(abs(a - b) for a, b in zip(peft_losses, fd_losses))
     d_logits = (fd_logits - peft_logits).abs().max().item()
     console.print(
-        f"speed-up {peft_ms / fd_ms:.2f}x | max |delta loss| over {args.steps} steps: {d_loss:.2e} | "
+        ("speed-up" if path is None else f"speed-up ({path}, {device.type})")
+        + f" {peft_ms / fd_ms:.2f}x | max |delta loss| over {args.steps} steps: {d_loss:.2e} | "
         f"max |delta logits| after training: {d_logits:.2e} (logit scale {peft_logits.abs().max().item():.2f})"
     )
+    if path is not None:
+        console.print(speed_note(device, path), style="yellow")
     console.print(f"flashdora path counters: {dict(sorted(counts.items()))}")
     return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import flashdora
-from flashdora import demo, parity_pretrain
+from flashdora import cli, demo, parity_pretrain
 from flashdora.bench import record
 from flashdora.parity_render import LOSS_BAR, print_summary, render_markdown, render_png
 
@@ -218,48 +218,8 @@ def make_record(args: dict, settings, fidelity, training, curves, check_list, co
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--size", choices=sorted(demo.SIZES), default=None, help="model size (default: tiny on CPU, wide on CUDA)"
-    )
-    parser.add_argument("--steps", type=int, default=50, help="training steps per seed (default 50)")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds, each a fresh model and data order (default 1)")
-    parser.add_argument(
-        "--first-seed",
-        type=int,
-        default=0,
-        help="seeds run are first-seed .. first-seed + seeds - 1 (default 0), so "
-        "a long comparison can be split over several runs",
-    )
-    parser.add_argument(
-        "--floor",
-        action="store_true",
-        help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
-        "chaotic training reaches between two runs of the same model (takes half as long again)",
-    )
-    parity_pretrain.add_arguments(parser)
-    parser.add_argument("--rank", type=int, default=16, help="DoRA rank (default 16)")
-    parser.add_argument("--dropout", type=float, default=0.05, help="lora_dropout (default 0.05)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 64 CPU, 512 CUDA)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
-    parser.add_argument(
-        "--dtype",
-        choices=MODES,
-        default=None,
-        help="training precision: fp32, or bf16 autocast over fp32 weights (default: autocast on "
-        "CUDA, fp32 on CPU); the logit check always runs both",
-    )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
-    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
-    parser.add_argument("--no-check", action="store_true", help="exit 0 even when a bar fails")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="JSON",
-        help="combine parity results of the same settings on different seeds (e.g. one --first-seed per device "
-        "call) into one result; trains nothing",
-    )
+    """``flashdora parity``'s options (defined in ``flashdora.cli``, whose ``--help`` imports no torch)."""
+    cli.add_parity_arguments(parser)
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -379,7 +339,5 @@ def _write(result: dict, args: argparse.Namespace, console) -> int:
     return 0 if result["passed"] or args.no_check else 1
 
 
-if __name__ == "__main__":  # ``python -m flashdora.parity`` works without the other subcommands installed
-    _parser = argparse.ArgumentParser(prog="flashdora parity", description=__doc__.split("\n")[0])
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
+if __name__ == "__main__":  # ``python -m flashdora.parity ...`` is ``flashdora parity ...``
+    sys.exit(cli.main(["parity", *sys.argv[1:]]))

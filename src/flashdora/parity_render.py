@@ -36,7 +36,8 @@ def render_markdown(result: dict) -> str:
         record.table(["check", "value", "bar", ""], _check_rows(result)),
     ]
     if "sources" in result:
-        merged = ", ".join(f"[{x['file']}]({x['file']}) ({x['commit'][:7]})" for x in result["sources"])
+        # a source run outside a git checkout has no commit (record.git_state)
+        merged = ", ".join(f"[{x['file']}]({x['file']}) ({(x['commit'] or 'unknown')[:7]})" for x in result["sources"])
         lines += ["", f"Merged (`--merge`) from {merged}; the logit checks are the first file's."]
     t = result["training"]
     lines += ["", f"Training |delta loss| vs PEFT DoRA: mean {t['mean_abs_delta']:.3e}, max {t['max_abs_delta']:.3e}."]

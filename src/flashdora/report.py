@@ -55,11 +55,16 @@ def _print(rows, footer) -> None:
         print("\n".join(" | ".join(r) for r in rows) + "\n" + "\n".join(footer))
         return
     table = Table(title="flashdora report")
-    for col in ("module", "adapter", "base", "path"):
+    table.add_column("module", no_wrap=True)
+    for col in ("adapter", "base", "path"):
         table.add_column(col)
     for row in rows:
         table.add_row(*row, style=None if row[3].startswith("flashdora") else "yellow")
+    # As wide as the table needs: at the terminal's width (80 in a log) rich cuts or folds the module names, and
+    # projections differ only at their ends (``...self_attn.q_proj`` vs ``...self_attn.k_proj``).
+    width = Console(width=2**16).measure(table).maximum
     console = Console()
+    console = Console(width=max(console.width, width)) if width > console.width else console
     console.print(table)
     for line in footer:
         console.print(line)

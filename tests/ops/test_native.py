@@ -104,6 +104,25 @@ def test_cpu_node_checks(ext):
         y.sum().backward()
 
 
+def test_double_backward_is_refused_on_both_paths(ext):
+    """The compose's backward treats the scales as constants, so a gradient of its gradient would miss the
+    magnitude's terms: the C++ node refuses ``create_graph=True``; the Python function gives first-order gradients
+    and raises when they are differentiated again. Never silently wrong second-order gradients."""
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    result, a = F.linear(x, w), F.linear(x, lora_A)
+    with torch.no_grad():
+        y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
+    ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 1.0)
+    with pytest.raises(RuntimeError, match="does not build a graph of its own"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    result, a = F.linear(x, w), F.linear(x, lora_A)
+    y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, 1.0, torch.float64)
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.square().sum().backward()  # a gradient penalty
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("t", "d_in", "d_out", "r", "scaling"), [(37, 96, 1000, 16, 0.5), (2048, 512, 4096, 384, 1.0)]

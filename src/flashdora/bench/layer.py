@@ -12,7 +12,6 @@ keeps the cache (fixed weights). The kernel sections live in ``bench/kernels.py`
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import statistics
@@ -26,78 +25,9 @@ from torch import nn
 import flashdora
 from flashdora.bench import record, timing
 from flashdora.bench.kernels import bench_kernels, shape_name, timed
-from flashdora.bench.layer_render import MODES, PHASES, render_markdown, render_png
-
-SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
-RANKS = (16, 64, 384)
-TOKENS = (2048, 8192)
-DTYPES = ("autocast", "bf16")
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    """``"4096x14336"`` -> ``(4096, 14336)`` as (d_in, d_out)."""
-    try:
-        d_in, d_out = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape expected D_INxD_OUT such as 4096x14336, got {text!r}") from None
-    if d_in < 1 or d_out < 1:
-        raise argparse.ArgumentTypeError(f"shape expected positive sizes, got {text!r}")
-    return d_in, d_out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument(
-        "--shapes",
-        nargs="+",
-        type=parse_shape,
-        default=[parse_shape(s) for s in SHAPES],
-        metavar="DINxDOUT",
-        help=f"layer shapes d_in x d_out (default: {' '.join(SHAPES)})",
-    )
-    parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS), help="LoRA ranks (default: %(default)s)")
-    parser.add_argument(
-        "--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens per call (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--dtypes",
-        nargs="+",
-        choices=DTYPES,
-        default=list(DTYPES),
-        help="autocast: bf16 weight, fp32 adapters, bf16 autocast; bf16: everything bf16",
-    )
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    parser.add_argument("--reps", type=int, default=20, help="timed calls per row; the median is reported")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="time every (tokens, phase) this many times over its modes, every second round in reverse order, and "
-        "pool the rounds' calls (the median of all of them; round_ms: each round's median)",
-    )
-    parser.add_argument(
-        "--interleave",
-        action="store_true",
-        help="time the modes call by call (every timed step runs each mode once, the order rotated step by step), so "
-        "a change of the host's load hits every mode alike, but no mode runs right after itself as a model's layers "
-        "do (a colder host: docs/decisions.md); --reps calls per mode; peak memory from a separate run of each mode "
-        "(at most 5 calls); not with --rounds",
-    )
-    parser.add_argument(
-        "--norm-shape",
-        type=parse_shape,
-        default=(8192, 28672),
-        metavar="DINxDOUT",
-        help="shape of the PEFT-norm vs factored-norm comparison (default: 8192x28672)",
-    )
-    parser.add_argument("--norm-rank", type=int, default=384, help="rank of that comparison (default: 384)")
-    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel, device-peak and norm sections")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=default_device, help="default: %(default)s")
-    parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
-    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
+from flashdora.bench.layer_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
+from flashdora.cli import LAYER_DTYPES as DTYPES  # noqa: F401 - the options are flashdora.cli's; for callers
+from flashdora.cli import parse_shape  # noqa: F401 - for callers
 
 
 def build_layer(weight: torch.Tensor, rank: int, use_dora: bool, dtype_mode: str):
@@ -279,15 +209,7 @@ _ORDERS = {
 def run(args) -> int:
     from rich.progress import Progress
 
-    device = torch.device(args.device)
-    if args.reps < 1 or args.warmup < 0 or args.rounds < 1:
-        raise SystemExit(
-            f"bench layer: --reps and --rounds expected >= 1 and --warmup >= 0, got {args.reps}, {args.rounds} and "
-            f"{args.warmup}"
-        )
-    if args.interleave and args.rounds > 1:
-        raise SystemExit("bench layer: --interleave times the modes call by call; it takes no --rounds (got "
-                         f"{args.rounds}): raise --reps instead")  # fmt: skip
+    device = torch.device(args.device)  # options checked by flashdora.cli.check
     torch.manual_seed(args.seed)
     protocol = {
         "warmup": args.warmup,

@@ -13,11 +13,9 @@ non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
@@ -26,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 import flashdora
 from flashdora.bench import record, timing
 from flashdora.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, step_fn
-from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png
+from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LLAMA, _QWEN2 = "LlamaConfig", "Qwen2Config"
@@ -78,54 +76,6 @@ PRESETS = {
         ),
     ),
 }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="default: %(default)s")
-    parser.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
-    parser.add_argument("--layers", type=int, help="override the number of decoder layers")
-    parser.add_argument("--rank", type=int, default=384, help="LoRA rank; lora_alpha = rank (default: %(default)s)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument(
-        "--phases",
-        nargs="+",
-        choices=PHASES,
-        default=["inference", "grad"],
-        help="inference: forward without grad; grad: forward + backward, no optimizer step; train: forward + "
-        "backward + AdamW step + zero_grad; decode: generate --new-tokens tokens after a --prompt-token prompt, "
-        "batch 1, KV cache, reported per generated token (default: inference grad)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("autocast", "bf16"),
-        default="autocast",
-        help="autocast: bf16 model, fp32 adapters (PEFT's default), bf16 autocast; bf16: all bf16",
-    )
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument(
-        "--seq", type=int, default=2048, help="tokens per sequence, not decode's (default: %(default)s)"
-    )
-    parser.add_argument("--prompt", type=int, default=32, help="decode: prompt tokens, batch 1 (default: %(default)s)")
-    parser.add_argument(
-        "--new-tokens", type=int, default=64, help="decode: tokens generated per timed step (default: %(default)s)"
-    )
-    parser.add_argument("--reps", type=int, default=5, help="timed steps per row and round; the median is reported")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="repeat the whole sequence of modes this many times, every second round in reverse order, and pool "
-        "each row's timed steps, so that a host that speeds up or slows down during the run, or a position in the "
-        "order, weighs on every mode alike (eager only)",
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")
-    parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each mode's model (not with decode)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
-    parser.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
 
 def build_config(args) -> tuple[str, transformers.PretrainedConfig]:
@@ -270,14 +220,7 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
 def run(args) -> int:
     from rich.progress import Progress
 
-    device = torch.device(args.device)
-    for flag in ("rank", "batch", "seq", "prompt", "new_tokens", "reps", "rounds", "grad_accum"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"bench model: --{flag.replace('_', '-')} expected >= 1, got {getattr(args, flag)}")
-    if args.rounds > 1 and args.compile:
-        raise SystemExit("bench model: --rounds > 1 with --compile would recompile every mode in every round; use 1")
-    if args.compile and "decode" in args.phases:
-        raise SystemExit("bench model: --compile does not reach generate's forward passes; run decode without it")
+    device = torch.device(args.device)  # options checked by flashdora.cli.check
     name, config = build_config(args)
     protocol = {
         "warmup": args.warmup,

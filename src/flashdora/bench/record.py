@@ -72,10 +72,14 @@ def device_slug(info: dict) -> str:
 
 def git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout flashdora runs from; ``FLASHDORA_COMMIT``/``FLASHDORA_DIRTY`` stand in for
-    a copy without ``.git`` or with a stale one (e.g. a tree shipped to a GPU machine), and win when set."""
+    a copy without ``.git`` or with a stale one (e.g. a tree shipped to a GPU machine), and win when set.
+    ``(None, None)`` without git or outside a checkout (an installed wheel, an sdist): ``_REPO`` must hold the
+    ``.git``, or git would name the commit of whatever repository encloses the install (a venv inside one)."""
     if os.environ.get("FLASHDORA_COMMIT"):
         dirty = os.environ.get("FLASHDORA_DIRTY")
         return os.environ["FLASHDORA_COMMIT"], None if dirty is None else dirty not in ("0", "false", "")
+    if not (_REPO / ".git").exists():
+        return None, None
     try:
         commit = subprocess.run(
             ["git", "-C", str(_REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
