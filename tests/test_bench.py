@@ -326,3 +326,35 @@ def test_build_layers_share_values_across_modes():
     assert fd.lora_magnitude_vector["default"].weight is not m
     assert flashdora.peft_integration.layer_path(fd, "default").startswith("flashdora")
     assert flashdora.peft_integration.layer_path(dora, "default") == "peft"
+
+
+def test_model_quant_nf4_runs_qlora_qdora_and_flashdora(tmp_path, monkeypatch):
+    """``--quant nf4``: the base's projections become bitsandbytes 4-bit layers; flashdora runs them (no fallback)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    seen = []
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        quantized = [m for m in target.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        for m in quantized:
+            m.support_avx512bf16_for_cpu = False  # (see tests/test_qdora.py)
+        seen.append((mode, len(quantized)))
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    flashdora.reset_stats()
+    result, _ = run_bench(tmp_path, "model", "--preset", "tiny", "--quant", "nf4", "--phases", "inference",
+                          "--modes", "peft_lora", "peft_dora", "flashdora", "--reps", "1", "--warmup", "1")  # fmt: skip
+    assert [mode for mode, _ in seen] == ["peft_lora", "peft_dora", "flashdora"]
+    assert all(n == 14 for _, n in seen)  # 2 layers x 7 projections
+    assert all(r["ms"] for r in result["records"])
+    assert not any(k.startswith("peft_fallback") for k in flashdora.stats())
+
+
+def test_model_quant_needs_bitsandbytes(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name))
+    with pytest.raises(SystemExit, match="--quant nf4 needs bitsandbytes"):
+        main(["bench", "model", "--preset", "tiny", "--quant", "nf4", "--device", "cpu"])

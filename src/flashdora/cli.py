@@ -256,6 +256,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default: %(default)s)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")
     p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    p.add_argument(
+        "--quant",
+        choices=("none", "nf4", "int8"),
+        default="none",
+        help="quantize the base's projections with bitsandbytes (nf4: Linear4bit, bf16 compute; int8: "
+        "Linear8bitLt): peft_lora is then QLoRA, peft_dora PEFT's QDoRA (default: %(default)s)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each mode's model (not with decode)")
     _common(p, results=True)
 
@@ -328,6 +335,8 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error("--compile does not reach generate's forward passes; run decode without it")
         if args.config is not None and not args.config.is_file():
             error(f"--config {args.config}: no such file")
+        if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
+            error(f"--quant {args.quant} needs bitsandbytes: pip install bitsandbytes")
     for path in getattr(args, "merge", None) or ():
         if not Path(path).is_file():
             error(f"--merge {path}: no such file")

@@ -102,11 +102,37 @@ def build_base(config, args, device) -> torch.nn.Module:
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if getattr(args, "quant", "none") != "none":
+        quantize(model, args.quant, device)
     model.requires_grad_(False)
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     return model
+
+
+def quantize(model, kind: str, device) -> None:
+    """Every targeted projection replaced by a bitsandbytes layer holding its weights (``nf4``: ``Linear4bit``,
+    bf16 compute; ``int8``: ``Linear8bitLt``), quantized as bitsandbytes does when a layer moves to the GPU."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name not in TARGETS or type(child) is not torch.nn.Linear:
+                continue
+            weight = child.weight.data.cpu()  # (bitsandbytes quantizes on the move from the CPU)
+            if kind == "nf4":
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")  # fmt: skip
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+            else:
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                            has_fp16_weights=False, device="meta")  # fmt: skip
+                layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data.cpu(), requires_grad=False)
+            setattr(parent, name, layer.to(device))
+            del child, weight
 
 
 def wrap(model, args, use_dora: bool):
