@@ -25,14 +25,14 @@ def _quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: 
             if kind == "int8":
                 layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
                                             has_fp16_weights=False)  # fmt: skip
-                layer.weight = bnb.nn.Int8Params(child.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+                layer.weight = bnb.nn.Int8Params(child.weight.data.cpu(), requires_grad=False, has_fp16_weights=False)
             else:
                 layer = bnb.nn.Linear4bit(
                     child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
                     quant_type=kind.removesuffix("-dq"), compress_statistics=kind.endswith("-dq"),
                 )  # fmt: skip
                 layer.weight = bnb.nn.Params4bit(
-                    child.weight.data.clone(), requires_grad=False, quant_type=kind.removesuffix("-dq"),
+                    child.weight.data.cpu().clone(), requires_grad=False, quant_type=kind.removesuffix("-dq"),
                     compress_statistics=kind.endswith("-dq"),
                 )  # fmt: skip
                 # (on AVX512-BF16 hosts bitsandbytes rewrites the layout in place at the first eval forward, after

@@ -157,7 +157,7 @@ def _other_device_message(t: torch.Tensor) -> str:
 def autocast_off(device_type: str):
     """A context with autocast off on ``device_type`` for math whose dtypes are explicit; a no-op context where it is
     off already (entering ``torch.autocast`` costs more than a small torch op)."""
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # (meta tensors: no autocast to ask)
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

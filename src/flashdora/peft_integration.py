@@ -122,6 +122,9 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     reason = _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
     if reason is None and backend.functorch_active():
         reason = "torch.func"  # grad/vmap/jvp: PEFT's plain torch ops compose with every transform
+    if x.is_meta or weight.is_meta:  # shapes only (meta-device initialisation): PEFT's ops, uncounted as a fallback
+        backend.count("meta")
+        return _PEFT_FORWARD.__func__(module, active_adapter, x, result, **kwargs)
     if reason is not None or x.device != result.device:
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs

@@ -146,8 +146,7 @@ struct ComposeBackward : public Node {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "flashdora: the DoRA compose's backward does not build a graph of its own (create_graph=True, double "
                 "backward): its scales are constants there, so second-order gradients would be wrong. Run such code "
-                "on PEFT's DoRA (flashdora.disable(model)) or with FLASHDORA_NATIVE=0 (first-order gradients of "
-                "create_graph=True, an error if differentiated again)");
+                "on PEFT's DoRA (flashdora.disable(model))");
     TORCH_CHECK(scales_.defined(),
                 "flashdora: trying to backward through the compose a second time after its buffers were freed "
                 "(specify retain_graph=True)");

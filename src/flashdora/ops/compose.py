@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from flashdora import _checks, backend, native
 from flashdora.ops.norm_cache import dora_scales
@@ -158,6 +157,13 @@ def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, tr
     return out
 
 
+DOUBLE_BACKWARD = (
+    "flashdora: the DoRA compose's backward does not build a graph of its own (create_graph=True, double backward): "
+    "its scales are constants there, so second-order gradients would be wrong. Run such code on PEFT's DoRA "
+    "(flashdora.disable(model))"
+)
+
+
 class ComposeFunction(torch.autograd.Function):
     """The eager autograd boundary (under ``torch.compile``, ``compose`` traces ``_compose_traced`` instead).
 
@@ -175,8 +181,9 @@ class ComposeFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a gradient of this gradient raises (the scales are constants here, as in DoRA's backward)
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: the scales are constants here, as in DoRA's backward
+            raise RuntimeError(DOUBLE_BACKWARD)
         a, inner = ctx.saved_tensors
         scaling, has_lx_base, has_bias, lora_B, b_version, scales, triton = ctx.meta
         if lora_B._version != b_version:
@@ -394,6 +401,10 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
         if not autocast and lora_x.dtype != x.dtype:
             raise TypeError(f"{fn}: lora_x expected dtype {x.dtype} (the dtype of x, outside autocast), got {lora_x.dtype}")
     scaling = _checks.scaling(fn, scaling)
+    if x.is_meta or weight.is_meta:  # shapes only: the plain-torch formula gives them
+        from flashdora.reference import dora_linear_ref
+
+        return dora_linear_ref(x, weight, bias, lora_A, lora_B, magnitude, scaling, lora_x)
     if backend.functorch_active():  # torch.func transforms: the plain-torch formula, which composes with all of them
         backend.count("fallback:torch.func")
         backend.warn_once("torch.func", "flashdora: dora_linear under a torch.func transform runs plain torch ops")
