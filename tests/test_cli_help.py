@@ -89,7 +89,7 @@ def test_every_option_has_help():
 
 
 def test_choices_match_the_modules_that_use_them():
-    from flashdora import demo, parity, parity_pretrain
+    from flashdora import demo, parity
     from flashdora.bench import layer, layer_render, model, model_render
 
     assert set(cli.DEMO_SIZES) == set(demo.SIZES)
@@ -98,11 +98,3 @@ def test_choices_match_the_modules_that_use_them():
     assert (cli.MODEL_MODES, cli.MODEL_PHASES) == (model_render.MODES, model_render.PHASES)
     assert set(cli.MODEL_PRESETS) == set(model.PRESETS)
     assert layer.DTYPES == cli.LAYER_DTYPES and layer.parse_shape is cli.parse_shape
-    # parity's pretraining options are written out in cli (parity_pretrain imports torch); the same as its own
-    ours, theirs = argparse.ArgumentParser(), argparse.ArgumentParser()
-    parity.add_arguments(ours)
-    parity_pretrain.add_arguments(theirs)
-    fields = ("option_strings", "dest", "type", "default", "metavar", "help")
-    ours = {a.dest: [getattr(a, f) for f in fields] for a in ours._actions}
-    for action in theirs._actions[1:]:
-        assert ours[action.dest] == [getattr(action, f) for f in fields], action.dest

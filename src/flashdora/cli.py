@@ -113,7 +113,7 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
         help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
         "chaotic training reaches between two runs of the same model (takes half as long again)",
     )
-    # the same three options as flashdora.parity_pretrain.add_arguments (tests/test_cli_help.py compares them)
+    # flashdora.parity_pretrain's options (it imports torch, so they are written here)
     p.add_argument(
         "--pretrain",
         type=int,

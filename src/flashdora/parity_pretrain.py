@@ -8,29 +8,10 @@ is a small correction. So: train the base first (all parameters), attach DoRA, a
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 from peft.tuners.lora.layer import LoraLayer
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--pretrain",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
-        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/history.md)",
-    )
-    parser.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
-    parser.add_argument(
-        "--lora-b-ratio",
-        type=float,
-        default=0.07,
-        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
-    )
 
 
 def start_model(s: dict, seed: int, batches: list[torch.Tensor]) -> tuple[torch.nn.Module, dict]:
