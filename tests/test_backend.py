@@ -135,3 +135,34 @@ def test_switches_reject_unknown_values(name, monkeypatch):
     monkeypatch.setenv(name, "of")
     with pytest.raises(ValueError, match=rf"{name} expected one of .* got 'of'"):
         backend.switch(name, True)
+
+
+def test_untested_versions_take_the_plain_launch(monkeypatch):
+    """On a torch or Triton the tests do not cover, no private internals: every kernel launches as ``kernel[grid]``,
+    the C++ compose stays off and the autograd helpers fall back; the results are the same."""
+    from flashdora import native
+    from flashdora.kernels import configs
+    from flashdora.ops import compose
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    i = dora_inputs(40, 24, 8, device="cpu")
+    args = (i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+    ref = dora_linear(*args)
+    assert backend.tested_versions()  # this suite's versions (torch 2.13 CPU, triton 3.9; torch 2.11 on the GPUs)
+    assert backend._minor("2.11.0+cu130") == (2, 11) and backend._minor("3.10.0") == (3, 10)
+    monkeypatch.setattr(configs, "_TUNED", _Refusing())  # the fast path's table: never read on the plain path
+    for untested in ("versions", "switch"):
+        with monkeypatch.context() as m:
+            if untested == "versions":
+                m.setattr(backend, "tested_versions", lambda: False)
+            else:
+                m.setenv("FLASHDORA_PRIVATE_APIS", "0")
+            out = dora_linear(*args)
+            with torch.enable_grad():
+                assert not native.enabled() and compose.after_base() == -1
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+class _Refusing(dict):
+    def get(self, *args):
+        raise AssertionError("the fast launch path ran on an untested version")

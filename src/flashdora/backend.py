@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import warnings
 from collections import Counter
 
@@ -136,6 +137,35 @@ def functorch_active() -> bool:
     present in every torch version the tests cover; where it is missing, ``False`` (the transforms then reach
     flashdora's code and raise there)."""
     return _FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()
+
+
+# The torch and Triton versions the test suite covers. The fast launch path (torch's C++ launcher of Triton kernels,
+# Triton's own launcher called directly) and the C++ compose rely on their private internals: on any other version
+# every kernel launches through the plain ``kernel[grid]`` and the compose stays in Python.
+TESTED = {"torch": ((2, 11), (2, 13)), "triton": ((3, 6), (3, 9))}
+
+
+def _minor(version: str) -> tuple[int, int]:
+    parts = re.findall(r"\d+", version)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+@functools.cache
+def tested_versions() -> bool:
+    """Whether this torch and Triton are versions the tests cover (``TESTED``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = {"torch": torch.__version__, "triton": version("triton")}
+    except PackageNotFoundError:
+        return False
+    return all(lo <= _minor(found[name]) <= hi for name, (lo, hi) in TESTED.items())
+
+
+def private_apis() -> bool:
+    """Whether the fast launch path and the C++ compose may use torch's and Triton's private internals: tested
+    versions (``tested_versions``) and ``FLASHDORA_PRIVATE_APIS`` not off (``0`` forces the plain path)."""
+    return tested_versions() and switch("FLASHDORA_PRIVATE_APIS", True)
 
 
 _CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)  # (absent from CPU builds)

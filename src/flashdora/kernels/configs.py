@@ -230,6 +230,9 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch and Triton's launcher 20-50 us more,
     which a DoRA layer of ordinary size cannot hide (docs/history.md).
     """
+    if not backend.private_apis():  # untested torch or Triton: the plain launch (backend.TESTED)
+        kernel[grid](*args, **flags)
+        return
     tuned_key = (id(kernel), key)
     tuned = _TUNED.get(tuned_key)
     if tuned is None:
@@ -282,7 +285,7 @@ def direct_plan(kernel, key: tuple, args: tuple, flags: dict) -> tuple | None:
     ``(tuned config, CUfunction, warps, shared bytes, parameter types, kept argument positions)``, or ``None`` until
     ``launch`` has tuned and compiled it, and where it runs through Triton's launcher instead of torch's."""
     tuned = _TUNED.get((id(kernel), key))
-    if tuned is None or INTERPRETED or type(kernel.fn) is Heuristics:
+    if tuned is None or INTERPRETED or type(kernel.fn) is Heuristics or not backend.private_apis():
         return None
     config, n_tensors = tuned
     spec = _launch_specialization(args, n_tensors)

@@ -197,7 +197,12 @@ class ComposeFunction(torch.autograd.Function):
 
 # ``Function.apply`` minus its Python wrapper (argument binding for ``setup_context`` and functorch's dead-wrapper
 # unwrapping, 13 Python calls a layer call): the C++ entry it ends in, taken when no functorch transform is active.
-_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, ComposeFunction)
+_C_APPLY = getattr(torch._C, "_FunctionBase", None)
+_APPLY = (
+    _C_APPLY.__dict__["apply"].__get__(None, ComposeFunction)
+    if _C_APPLY is not None and "apply" in _C_APPLY.__dict__ and backend.tested_versions()
+    else ComposeFunction.apply
+)  # (private: the public ``ComposeFunction.apply`` on torch versions the tests do not cover)
 
 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
@@ -268,10 +273,12 @@ def after_base() -> int:
     ``g dy`` before. Only the order of ready nodes changes (docs/history.md)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # (compiled graphs order their own backward)
         return -1
+    if _sequence_nr is None or not backend.private_apis():  # the engine's order as recorded (more peak memory)
+        return -1
     return max(_sequence_nr() - 1, 0)
 
 
-_sequence_nr = torch._C._autograd._get_sequence_nr
+_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # private: gated in after_base
 
 
 def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq=-1) -> Tensor:
