@@ -84,6 +84,8 @@ def test_qdora_matches_peft(kind, device, dropout):
     """Eval logits and a training step's gradients (dropout masks alike) as PEFT's own QDoRA computes them, fp32
     compute; flashdora ran every layer (no fallback)."""
     model = _model(kind, dropout=dropout, device=device)
+    # int8: bitsandbytes' matmul returns fp16, and PEFT composes in it, flashdora in float32 (~5e-4 apart)
+    tol_out, tol_grad = (2e-3, 1e-2) if kind == "int8" else (1e-5, 1e-4)
     twin = copy.deepcopy(model)
     flashdora.enable(model)
     flashdora.reset_stats()
@@ -91,13 +93,13 @@ def test_qdora_matches_peft(kind, device, dropout):
     model.eval()
     twin.eval()
     with torch.no_grad():
-        assert rel_err(model(input_ids=ids).logits, twin(input_ids=ids).logits) <= 1e-5
+        assert rel_err(model(input_ids=ids).logits, twin(input_ids=ids).logits) <= tol_out
     logits, grads = _step(model, ids)
     ref_logits, ref_grads = _step(twin, ids)
-    assert rel_err(logits, ref_logits) <= 1e-5
+    assert rel_err(logits, ref_logits) <= tol_out
     assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
     for name, ref in ref_grads.items():
-        assert rel_err(grads[name], ref) <= 1e-4, name
+        assert rel_err(grads[name], ref) <= tol_grad, name
     stats = flashdora.stats()
     assert not any(k.startswith("peft_fallback") for k in stats), stats
     assert stats.get("norm:eager", 0) + stats.get("norm:triton", 0) > 0
