@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# Creates ./.venv with flashdora and its test tools. Keeps a torch that is already installed (e.g. a CUDA build);
-# otherwise installs the CPU build torch==2.13.0, never letting pip pull a CUDA torch.
+# Creates ./.venv with flashdora and what one job needs:
+#   setup.sh demo   `flashdora demo`: flashdora[cli]; no Triton on a machine without CUDA (the demo runs eager there)
+#   setup.sh test   the suite: flashdora[test], and Triton (its interpreter runs the kernels on CPU)
+# Keeps a torch that is already installed (e.g. a CUDA build); otherwise installs the CPU build torch==2.13.0, never
+# letting pip pull a CUDA torch. peft and transformers are pinned by scripts/constraints.txt (the newest supported);
+# VENV=.venv-oldest CONSTRAINTS=scripts/constraints-oldest.txt builds one with the oldest (scripts/test_oldest.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+JOB=${1:-test}
+case "$JOB" in
+  demo) extras="cli" ;;
+  test) extras="test" ;;
+  *) echo "usage: scripts/setup.sh [demo|test]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV=${VENV:-.venv}
+PINS=${CONSTRAINTS:-scripts/constraints.txt}
 if [ ! -x "$VENV/bin/python" ]; then
   if "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m venv --system-site-packages "$VENV"   # see the torch already installed
@@ -18,14 +29,21 @@ if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
   pip install "torch==2.13.0"
 fi
 TORCH=$("$VENV/bin/python" -W ignore -c "import torch; print(torch.__version__.split('+')[0])")
-CONSTRAINTS=$(mktemp)
-echo "torch==$TORCH" >"$CONSTRAINTS"
-extras="test"
+CONSTRAINTS_FILE=$(mktemp)
+trap 'rm -f "$CONSTRAINTS_FILE"' EXIT
+echo "torch==$TORCH" >"$CONSTRAINTS_FILE"
 if ! "$VENV/bin/python" -W ignore -c "import triton" 2>/dev/null; then
-  # CPU machines run the kernels in Triton's interpreter; 3.9 is the version we test with.
-  "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(torch.cuda.is_available())" && echo "triton==3.9.0" >>"$CONSTRAINTS"
-  extras="test,triton"
+  # CUDA torch wheels bring their own Triton; this is for CPU machines and torch builds without it.
+  if "$VENV/bin/python" -W ignore -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then
+    # No CUDA: only the tests need Triton (its interpreter); 3.9 is the version we test with.
+    if [ "$JOB" = test ]; then
+      echo "triton==3.9.0" >>"$CONSTRAINTS_FILE"
+      extras="$extras,triton"
+    fi
+  else
+    extras="$extras,triton"
+  fi
 fi
-pip install -c "$CONSTRAINTS" -c scripts/constraints.txt -e ".[$extras]"
-"$VENV/bin/python" -W ignore -c "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
-rm -f "$CONSTRAINTS"
+pip install -c "$CONSTRAINTS_FILE" -c "$PINS" -e ".[$extras]"
+"$VENV/bin/python" -W ignore -c \
+  "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
