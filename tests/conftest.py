@@ -18,12 +18,13 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on a GPU machine)")
+    skip2 = pytest.mark.skip(reason="needs two CUDA devices (run `pytest -m gpu2` on a two-GPU machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "gpu2" in item.keywords and torch.cuda.device_count() < 2:
+            item.add_marker(skip2)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""FSDP2 on the CPU: ``examples/fsdp2_train.py`` under ``torchrun`` with two gloo processes."""
+"""Several processes on the CPU (gloo): FSDP2 and DDP (``tests/dist_worker.py``), ``examples/fsdp2_train.py`` as a
+user runs it, and the FSDP2 shard tags of the norm cache in one process."""
 
 import re
 import subprocess
@@ -6,25 +7,119 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
+import flashdora
+from tests.peft_models import unpatched  # noqa: F401 - the autouse fixture: PEFT runs its own code here
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+posix = pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
 
 
-def _losses(*extra: str) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLE), "--device", "cpu"]
-    out = subprocess.run([*cmd, "--steps", "3", *extra], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"^step \d+: loss ([0-9.]+)", out.stdout, re.M)]
-    assert len(losses) == 3, out.stdout
-    return losses
+def _run(*cmd: str) -> str:
+    out = subprocess.run([*TORCHRUN, *cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
-def test_fsdp2_trains_as_peft_does():
-    """Two processes, every decoder layer and the root sharded, flashdora enabled after ``fully_shard``: the same
-    losses as PEFT's own DoRA under the same sharding, steps after optimizer steps included (a stale norm after
-    FSDP2 re-fills its unsharded storage would show from step 1 on)."""
-    flash, peft = _losses(), _losses("--no-flashdora")
-    assert peft[0] != peft[-1]  # the weights moved
-    for a, b in zip(flash, peft):
-        assert abs(a - b) <= 1e-5 * abs(b)
+@posix
+def test_fsdp2_and_ddp_train_as_one_process_does():
+    """Two ranks under FSDP2 (every decoder layer and the root) and under DDP, gradient checkpointing on: the losses
+    and adapter weights of PEFT's DoRA in one process on the whole batch, one norm per layer per step and one
+    ``||W||^2`` per frozen base, and no stale norm after an in-place edit or a load between steps."""
+    out = _run(str(ROOT / "tests" / "dist_worker.py"))
+    assert "OK fsdp2" in out and "OK ddp" in out, out
+
+
+@pytest.mark.gpu2
+def test_fsdp2_and_ddp_on_two_gpus():
+    """The same on two GPUs (NCCL): the Triton path and its fused kernels."""
+    out = _run(str(ROOT / "tests" / "dist_worker.py"), "--device", "cuda")
+    assert "OK fsdp2" in out and "OK ddp" in out, out
+
+
+@posix
+def test_fsdp2_example_runs_as_written():
+    out = _run(str(ROOT / "examples" / "fsdp2_train.py"), "--device", "cpu", "--steps", "2", "--checkpointing")
+    losses = [float(m) for m in re.findall(r"^step \d+: loss ([0-9.]+)", out, re.M)]
+    assert len(losses) == 2, out
+    assert "'norm:eager': 28" in out, out  # 2 layers x 7 projections x 2 steps: once a step, recomputation included
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 24)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@posix
+def test_bench_fsdp_on_two_cpu_processes(tmp_path):
+    """``flashdora bench fsdp`` end to end on the CPU: a row per mode, one norm per layer per step for flashdora."""
+    import json
+
+    cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
+           "4", "--reps", "2", "--warmup", "0", "--seq", "16", "--no-mp", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    (path,) = tmp_path.glob("*_fsdp.json")
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["records"]}
+    assert set(rows) == {"peft_lora", "peft_dora", "flashdora"} and all(r["ms"] > 0 for r in rows.values())
+    assert rows["flashdora"]["norms_per_step"] == 14 and rows["peft_dora"]["norms_per_step"] is None
+    assert "| tiny | 4 | flashdora |" in path.with_suffix(".md").read_text()
+
+
+def _layer():
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, use_dora=True, target_modules=["proj"], init_lora_weights=False)
+    model = get_peft_model(_Net(), config)
+    return model, model.base_model.model.proj
+
+
+def _tensors(layer):
+    return [layer.base_layer.weight, layer.lora_A.default.weight, layer.lora_B.default.weight,
+            layer.lora_magnitude_vector.default.weight]  # fmt: skip
+
+
+def test_shard_tags_key_a_refilled_parameter_by_its_shard():
+    """What FSDP2 does to an unsharded parameter, in one process: its storage re-filled in place without moving its
+    version counter (the same address: the case address-based keys miss). Tagged with its shard (as
+    ``watch.shards`` does after each all-gather), the cache follows the shard: a write to the shard recomputes the
+    norm (uncached until the next gather re-tags), re-gathers of unchanged shards keep it."""
+    model, layer = _layer()
+    peft, twin_layer = _layer()
+    flashdora.enable(model)
+    x = torch.randn(3, 16)
+    shards = [t.detach().clone() for t in _tensors(layer)]
+
+    def gather(values=None):  # FSDP2's all-gather: copy the shards in, the version counter kept
+        for p, shard, twin in zip(_tensors(layer), shards, _tensors(twin_layer)):
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
+                p.copy_(shard)
+            with torch.no_grad():
+                twin.copy_(shard)
+            p._flashdora_shard = (shard, shard._version)
+
+    def norms():
+        return flashdora.stats().get("norm:eager", 0)
+
+    gather()
+    flashdora.reset_stats()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), peft(x))
+        gather()  # the same shards again (a checkpoint's recomputation): cached
+        torch.testing.assert_close(model(x), peft(x))
+        assert norms() == 1
+        shards[2].mul_(1.5)  # an optimizer step or an edit of the shard, before FSDP2 gathers it
+        torch.testing.assert_close(model(x), peft(x))  # the old gathered values: computed, not cached
+        gather()
+        torch.testing.assert_close(model(x), peft(x))
+        torch.testing.assert_close(model(x), peft(x))
+        assert norms() == 3
+    for p in _tensors(layer):
+        del p._flashdora_shard

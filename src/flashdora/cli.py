@@ -1,4 +1,4 @@
-"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer``, ``bench model``; each module does the work.
+"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer|model|fsdp``; each module does the work.
 
 The parsers are built here from plain constants, so ``--help`` and a bad option cost no torch import (the modules
 behind the commands import torch, transformers and peft). ``main`` checks the options (``check``) before it imports
@@ -23,6 +23,7 @@ LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
 MODEL_PRESETS = ("tiny", "llama3-8b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
 MODEL_MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache")  # bench.model_render.MODES
 MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.bench.model_render.PHASES
+FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.fsdp.MODES
 # ``bench layer``'s defaults
 LAYER_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
 LAYER_RANKS = (16, 64, 384)
@@ -35,6 +36,7 @@ _COMMANDS = {
     "parity": ("flashdora.parity", "logit fidelity vs PEFT and float64, and training-curve parity"),
     "bench layer": ("flashdora.bench.layer", "one DoRA layer: PEFT LoRA vs PEFT DoRA vs flashdora (GPU)"),
     "bench model": ("flashdora.bench.model", "a whole model from a transformers config: modes x phases (GPU)"),
+    "bench fsdp": ("flashdora.bench.fsdp", "a training step under FSDP2 on several GPUs (torchrun inside)"),
 }
 _GROUPS = {"bench": "GPU benchmarks against PEFT"}
 # command -> (optional packages it needs, the pyproject extra that brings them)
@@ -43,6 +45,7 @@ _NEEDS = {
     "parity": (("rich", "matplotlib"), "bench"),
     "bench layer": (("rich", "matplotlib"), "bench"),
     "bench model": (("rich", "matplotlib"), "bench"),
+    "bench fsdp": ((), "bench"),
 }
 
 
@@ -267,11 +270,27 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, results=True)
 
 
+def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, help="ranks (default: every CUDA device, else 2 CPU processes)")
+    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--layers", type=int, help="override the number of decoder layers")
+    p.add_argument("--ranks", type=int, nargs="+", default=[384, 16], help="LoRA ranks (default: 384 16)")
+    p.add_argument("--modes", nargs="+", choices=FSDP_MODES, default=list(FSDP_MODES), help="default: all")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank and step (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=5, help="timed steps; the median is reported (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default: %(default)s)")
+    p.add_argument("--no-mp", action="store_true", help="no MixedPrecisionPolicy: float32 all through")
+    p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    _common(p, results=True)
+
+
 _ADD = {
     "demo": add_demo_arguments,
     "parity": add_parity_arguments,
     "bench layer": add_layer_arguments,
     "bench model": add_model_arguments,
+    "bench fsdp": add_fsdp_arguments,
 }
 
 
@@ -299,6 +318,7 @@ _AT_LEAST = {
         **{k: 1 for k in ("layers", "rank", "batch", "seq", "prompt", "new_tokens", "reps", "rounds", "grad_accum")},
         "warmup": 0,
     },
+    "bench fsdp": {**{k: 1 for k in ("nproc", "layers", "ranks", "seq", "batch", "reps")}, "warmup": 0},
 }
 _POSITIVE = {"parity": ("lr", "pretrain_lr", "lora_b_ratio")}  # finite floats > 0
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")

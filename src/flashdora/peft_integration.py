@@ -24,6 +24,7 @@ from transformers.pytorch_utils import Conv1D
 
 from flashdora import backend
 from flashdora.ops.compose import after_base, compose, compose_eager
+from flashdora import watch
 from flashdora.watch import watch_writes
 from flashdora.ops.norm_cache import NormCache, dora_scales
 
@@ -111,6 +112,10 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
 
     ``_seq``: ``ops.compose.after_base()`` taken right before the base layer ran (``_lean_forward``), else -1."""
+    if watch.fsdp_hook is None:  # a process group may have come up since (FSDP2: watch.py)
+        watch.watch_fsdp()
+    if "_flashdora_pending" in module.__dict__:  # FSDP2 has just gathered this layer's weights
+        watch.shards(module)
     mods = module._modules
     base = _base_layer(module)
     weight = _param(base, "weight")
@@ -354,6 +359,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     _swap_linear_class(model, FlashDoraLinear)
     watch_writes(model, True)
+    watch.watch_fsdp()
     return model
 
 

@@ -1,7 +1,8 @@
 """The hooks by which the norm cache sees writes that no version counter shows (``ops/norm_cache.py``).
 
-Each calls ``norm_cache.bump()``: every layer recomputes its norm at its next forward. ``enable`` installs the
-per-model ones; PEFT's hotswap functions are wrapped once, when flashdora's PEFT seam is imported.
+Most call ``norm_cache.bump()``: every layer recomputes its norm at its next forward. ``enable`` installs the
+per-model ones; PEFT's hotswap functions are wrapped once, when flashdora's PEFT seam is imported. Under FSDP2 the
+unsharded parameters are keyed by their shards instead (``watch_fsdp``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,26 @@ def _loaded(module, incompatible_keys) -> None:
     norm_cache.bump()
 
 
-def _gathered(module, args) -> None:
-    """Forward pre-hook of an FSDP2 module: FSDP2 re-fills the same unsharded storage on every all-gather, without
-    moving its version counter, so whatever reaches the sharded parameters (an in-place edit, a load) is seen here."""
-    norm_cache.bump()
+def watch_writes(model: nn.Module, on: bool) -> None:
+    """Install (``on``) or remove the ``load_state_dict`` post-hook on every LoRA layer of ``model``: under FSDP2 the
+    values land in the sharded parameters, whose version counters the unsharded ones do not share."""
+    for module in model.modules():
+        for handle in module.__dict__.pop("_flashdora_hooks", ()):
+            handle.remove()
+        if on and isinstance(module, LoraLayer):
+            module.__dict__["_flashdora_hooks"] = [module.register_load_state_dict_post_hook(_loaded)]
+
+
+# FSDP2. At every all-gather FSDP2 re-fills the same unsharded parameter (one persistent ``nn.Parameter`` per sharded
+# one, its storage freed and re-allocated) without moving its version counter, so its address and version say
+# nothing about its values. Its values are those of the sharded parameter, whose local tensor's version does move
+# with every write (optimizer steps, in-place edits, loads). So the cache keys an unsharded parameter by its shard:
+# a forward pre-hook that runs before FSDP2's own (a global one: those run first) takes the sharded parameters of
+# the LoRA layers each FSDP2 module manages, and the layer's next forward (after FSDP2's all-gather) tags each
+# unsharded parameter with its shard (``_flashdora_shard``). The norm is then computed once per weight version, as
+# on one GPU, whether FSDP2 re-gathers for the forward, for the backward or for a checkpoint's recomputation.
+
+fsdp_hook = None
 
 
 def _fsdp_module_class():
@@ -55,22 +72,67 @@ def _fsdp_module_class():
     return FSDPModule
 
 
-def watch_writes(model: nn.Module, on: bool) -> None:
-    """Install (``on``) or remove the hooks by which the norm cache sees writes the version counters miss: a
-    ``load_state_dict`` post-hook on every LoRA layer and a forward pre-hook on every FSDP2 module of ``model``."""
-    fsdp = _fsdp_module_class() if on else None
-    for module in model.modules():
-        for handle in module.__dict__.pop("_flashdora_hooks", ()):
-            handle.remove()
-        if not on:
+def watch_fsdp() -> None:
+    """Install the global forward pre-hook that tags FSDP2's unsharded parameters (once; a no-op while no process
+    group is initialized: FSDP2 needs one, and a process without it pays nothing)."""
+    global fsdp_hook
+    if fsdp_hook is not None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    def before_fsdp(module, args):
+        if isinstance(module, fsdp):
+            _take_shards(module, fsdp, DTensor)
+
+    fsdp_hook = nn.modules.module.register_module_forward_pre_hook(before_fsdp)
+
+
+def _managed_lora_layers(root, fsdp):
+    """The LoRA layers whose parameters FSDP2 module ``root`` gathers (nested FSDP2 modules gather their own)."""
+    stack = list(root._modules.values())
+    while stack:
+        module = stack.pop()
+        if module is None or isinstance(module, fsdp):
             continue
-        hooks = []
         if isinstance(module, LoraLayer):
-            hooks.append(module.register_load_state_dict_post_hook(_loaded))
-        if fsdp is not None and isinstance(module, fsdp):
-            hooks.append(module.register_forward_pre_hook(_gathered))
-        if hooks:
-            module.__dict__["_flashdora_hooks"] = hooks
+            yield module
+        stack.extend(module._modules.values())
+    if isinstance(root, LoraLayer):
+        yield root
+
+
+def _owners(layer):
+    """The modules holding the four tensors the norm cache keys a DoRA layer by: base, lora_A, lora_B, magnitude."""
+    mods = [layer.get_base_layer()]
+    for name in getattr(layer, "lora_magnitude_vector", {}):
+        mods += [layer.lora_A[name], layer.lora_B[name], layer.lora_magnitude_vector[name]]
+    return mods
+
+
+def _take_shards(module, fsdp, dtensor) -> None:
+    """Before FSDP2 gathers ``module``: note each managed LoRA layer's sharded weights (a module already gathered, as
+    in a checkpoint's recomputation, keeps the tags its gathered parameters carry)."""
+    for layer in _managed_lora_layers(module, fsdp):
+        pending = [(m, p) for m in _owners(layer) if isinstance(p := m._parameters.get("weight"), dtensor)]
+        if pending:
+            layer.__dict__["_flashdora_pending"] = pending
+
+
+def shards(layer) -> None:
+    """At a LoRA layer's forward (FSDP2 has gathered): tag each unsharded weight with its shard's local tensor and
+    that tensor's version now (``norm_cache._key``)."""
+    pending = layer.__dict__.pop("_flashdora_pending", None)
+    if pending is None:
+        return
+    with torch.no_grad():
+        for owner, sharded in pending:
+            gathered = owner._parameters.get("weight")
+            if gathered is not None and gathered is not sharded:
+                local = sharded.to_local()
+                gathered._flashdora_shard = (local, local._version)  # the shard's version its values were gathered at
 
 
 def watch_hotswap() -> None:

@@ -97,16 +97,29 @@ def _storage_number(t) -> int:
     return n
 
 
-def _keys(w, a, b, m) -> tuple:
-    """Each tensor's ``(address, shape, strides, dtype, device, storage number, version)``, in one call (this runs on
-    every layer call). Raises ``RuntimeError`` for tensors without a version counter (inference tensors)."""
+def _key(t) -> tuple | None:
+    """``t``'s ``(address, shape, strides, dtype, device, storage number, version)``; for an FSDP2 unsharded parameter
+    (tagged by ``watch.shards``), its shard's address, storage number and version instead of its own address: FSDP2
+    re-fills it without moving its version. ``None`` when its values are older than its shard (FSDP2 has not
+    re-gathered since the shard changed): nothing to key an entry on. Raises ``RuntimeError`` for tensors without a
+    version counter (inference tensors)."""
+    tag = getattr(t, "_flashdora_shard", None)
+    if tag is None:
+        base = t._base  # ``weight.T`` (``fan_in_fan_out``) and other views of a tagged parameter
+        tag = None if base is None else getattr(base, "_flashdora_shard", None)
+        if tag is None:
+            return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, _storage_number(t), t._version)
+    shard, gathered_at = tag
+    if shard._version != gathered_at:
+        return None
     n = _storage_number
-    return (
-        (w.data_ptr(), w.shape, w.stride(), w.dtype, w.device, n(w), w._version),
-        (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, n(a), a._version),
-        (b.data_ptr(), b.shape, b.stride(), b.dtype, b.device, n(b), b._version),
-        (m.data_ptr(), m.shape, m.stride(), m.dtype, m.device, n(m), m._version),
-    )
+    return ("shard", shard.data_ptr(), n(shard), gathered_at, t.shape, t.stride(), t.storage_offset(), t.dtype,
+            t.device, n(t), t._version)  # fmt: skip
+
+
+def _keys(w, a, b, m) -> tuple:
+    """The four tensors' keys (``_key``), in one call (this runs on every layer call)."""
+    return _key(w), _key(a), _key(b), _key(m)
 
 
 class _Entries(dict):
@@ -159,9 +172,12 @@ class NormCache:
         if owner is None or weight.is_meta or not cache_enabled():
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
         try:
-            w_key, a_key, b_key, m_key = _keys(weight, lora_A, lora_B, magnitude)
+            keys = _keys(weight, lora_A, lora_B, magnitude)
         except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
+        if None in keys:  # an FSDP2 parameter gathered before its shard's last write
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
+        w_key, a_key, b_key, m_key = keys
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
@@ -197,6 +213,7 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, de
         weight = weight if dense is None else dense()
         triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         if cache.get("w_sq_key") != w_key:
+            backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
         cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
         cache["norm_key"] = key

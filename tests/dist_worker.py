@@ -1,0 +1,177 @@
+"""Run under ``torchrun --nproc_per_node N``: flashdora under FSDP2 and DDP against one process's PEFT DoRA.
+
+For each wrapper (``--wrap fsdp2 ddp``): a tiny Llama with DoRA adapters on every projection trains ``--steps``
+AdamW steps on slices of one global batch, flashdora enabled after the wrapping, gradient checkpointing on. Rank 0
+trains the same model without flashdora, unsharded, on the whole batch, and the worker checks:
+
+- losses and the adapter weights after training equal the one-process run (float32 round-off);
+- the norm is computed once per layer per step (``norm:eager`` or ``norm:triton``) and the frozen base's ``||W||^2`` once
+  (``norm:base_sq``), checkpoint recomputations and FSDP2's re-gathers included;
+- after an in-place edit of the (sharded) weights and after a ``load_state_dict``, with no optimizer step, the
+  model's output equals PEFT's own on the same weights (no stale norm).
+
+Prints ``OK <wrap>`` per wrapper on rank 0; raises (a non-zero exit) on the first failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flashdora
+
+CONFIG = dict(
+    hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+    num_hidden_layers=2, use_cache=False,
+)  # fmt: skip
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+N_LAYERS = CONFIG["num_hidden_layers"] * len(TARGETS)
+
+
+DEVICE = torch.device("cpu")
+
+
+def build():
+    torch.manual_seed(0)
+    with DEVICE:
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
+    with DEVICE:
+        model = get_peft_model(model, lora)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def batches(steps: int, batch: int):
+    gen = [torch.Generator().manual_seed(s) for s in range(steps)]
+    return [torch.randint(0, CONFIG["vocab_size"], (batch, 16), generator=g).to(DEVICE) for g in gen]
+
+
+def adapters(model) -> dict[str, torch.Tensor]:
+    """Every adapter tensor, whole (a collective under FSDP2: every rank calls it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            out[name.replace("module.", "")] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 2e-5) -> None:
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    if not err <= tol:
+        raise AssertionError(f"{what}: relative error {err:.3g} > {tol:g}")
+
+
+def reference(steps: int, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PEFT's DoRA in one process on the whole batch."""
+    model = build()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, adapters(model)
+
+
+def counts() -> tuple[int, int]:
+    s = flashdora.stats()
+    return s.get("norm:eager", 0) + s.get("norm:triton", 0), s.get("norm:base_sq", 0)
+
+
+def flash_vs_peft(model, inner, ids, what: str) -> None:
+    """The output with flashdora now (its cache as it stands) against PEFT's own forward on the same weights."""
+    with torch.no_grad():
+        flash = model(input_ids=ids).logits
+        flashdora.disable(inner)
+        peft = model(input_ids=ids).logits
+        flashdora.enable(inner)
+    close(flash, peft, what, 1e-5)
+
+
+def check(wrap: str, steps: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = batches(steps, 2 * world)
+    if rank == 0:
+        ref_losses, ref_adapters = reference(steps, data)
+    model = build()
+    if wrap == "fsdp2":
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        inner = model
+    else:
+        model = DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
+        inner = model.module
+    flashdora.enable(inner)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    flashdora.reset_stats()
+    losses = []
+    for step, ids in enumerate(data):
+        before = counts()
+        loss = model(input_ids=ids.chunk(world)[rank], labels=ids.chunk(world)[rank]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        norms, base = (a - b for a, b in zip(counts(), before))
+        if norms != N_LAYERS or base != (N_LAYERS if step == 0 else 0):
+            raise AssertionError(f"{wrap} step {step}: {norms} norms and {base} ||W||^2 for {N_LAYERS} layers")
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    trained = adapters(model)
+    if rank == 0:
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            close(torch.tensor(a), torch.tensor(b), f"{wrap} loss at step {step}")
+        for name, ref in ref_adapters.items():
+            close(trained[name], ref, f"{wrap} {name}", 1e-4)
+
+    ids = data[0].chunk(world)[rank]
+    model.eval()
+    flash_vs_peft(model, inner, ids, f"{wrap} after training")
+    with torch.no_grad():  # in-place edits of the weights (sharded under FSDP2), no optimizer step
+        for name, p in inner.named_parameters():
+            if "lora_B" in name or "lora_magnitude" in name:
+                p.mul_(1.5)
+    flash_vs_peft(model, inner, ids, f"{wrap} after an in-place edit")
+    flash_vs_peft(model, inner, ids, f"{wrap} after an in-place edit, cached")
+    state = {k: v * 0.5 for k, v in inner.state_dict().items() if "lora_A" in k}
+    inner.load_state_dict(state, strict=False)
+    flash_vs_peft(model, inner, ids, f"{wrap} after load_state_dict")
+    if rank == 0:
+        print(f"OK {wrap}", flush=True)
+    del model, inner, opt
+    gc.collect()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--wrap", nargs="+", choices=["fsdp2", "ddp"], default=["fsdp2", "ddp"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
+    args = p.parse_args()
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        for wrap in args.wrap:
+            check(wrap, args.steps)
+    finally:
+        gc.collect()  # the models before the process group (examples/fsdp2_train.py says why)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
