@@ -114,6 +114,10 @@ def check(wrap: str, steps: int) -> None:
         model = DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
         inner = model.module
     flashdora.enable(inner)
+    path = "flashdora:triton" if DEVICE.type == "cuda" else "flashdora:eager"
+    report = flashdora.report(inner, print_table=False)  # (sharded weights at rest are DTensors)
+    if f"DoRA layers by path: {path}: {N_LAYERS}" not in report:
+        raise AssertionError(f"{wrap}: report() says\n{report}")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     flashdora.reset_stats()
     losses = []

@@ -55,3 +55,14 @@ def test_report_prints_whole_module_names(capsys):
     for name in names:
         assert name in text and name in printed  # whole, on one line: q_proj and k_proj told apart
     assert "DoRA layers by path: flashdora:eager: 2" in printed
+
+
+def test_report_names_each_layers_dropout_mode():
+    model = build_peft_model("tiny", 4, 0.1, "cpu")
+    assert "p=0.1 exact" in flashdora.report(model, print_table=False)  # PEFT's own code: its function
+    flashdora.enable(model, dropout="adapter")
+    text = flashdora.report(model, print_table=False)
+    assert text.count("p=0.1 adapter") == 14 and "p=0.1 exact" not in text
+    flashdora.enable(model)
+    assert flashdora.report(model, print_table=False).count("p=0.1 exact") == 14
+    assert flashdora.report(build_peft_model("tiny", 4, 0.0, "cpu"), print_table=False).count(" -\n") == 14

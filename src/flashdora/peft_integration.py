@@ -87,11 +87,21 @@ def _dequantized(base) -> torch.Tensor:
         return dequantize_module_weight(base)
 
 
+def _sharded(t) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter between forwards)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not _bnb(base):
-        return f"quantized:{type(base).__name__}"
+        if not (_sharded(weight) and weight.dtype in _FLOATS):  # FSDP2 at rest: its forward sees the gathered weight
+            return f"quantized:{type(base).__name__}"
     if _param(lora_B_layer, "bias") is not None:
         return "lora_bias"
     device = weight.device
@@ -150,7 +160,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     if not module.training or isinstance(dropout, nn.Identity):
         return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     lora_x = dropout(x)
-    if module.__dict__.get("_flashdora_dropout", _patch_dropout) == "adapter":  # dropout on the low-rank branch only
+    if dropout_mode(module) == "adapter":  # dropout on the low-rank branch only
         return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     w = _dequantized(base) if quantized else weight  # (PEFT's QDoRA dequantizes here too)
@@ -324,6 +334,11 @@ def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) 
 
 DROPOUT_MODES = ("exact", "adapter")
 _patch_dropout = "exact"  # patch_peft's mode, for layers enable() has not set
+
+
+def dropout_mode(module: LoraLayer) -> str:
+    """The dropout mode flashdora runs ``module`` with: ``enable``'s, else ``patch_peft``'s."""
+    return module.__dict__.get("_flashdora_dropout", _patch_dropout)
 
 
 def _dropout_mode(fn: str, dropout) -> str:

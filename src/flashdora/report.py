@@ -9,7 +9,18 @@ from torch import nn
 from flashdora import backend
 
 
-def _rows(model: nn.Module) -> list[tuple[str, str, str, str]]:
+def _dropout(module, adapter: str, path: str) -> str:
+    """``-`` without dropout, else ``p=<p> <mode>``: ``exact`` (PEFT's function) or ``adapter`` (flashdora's opt-in)."""
+    from flashdora.peft_integration import dropout_mode
+
+    layer = module.lora_dropout[adapter] if adapter in module.lora_dropout else None
+    p = getattr(layer, "p", 0.0)
+    if not p:
+        return "-"
+    return f"p={p:g} {dropout_mode(module) if path.startswith('flashdora') else 'exact'}"
+
+
+def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str]]:
     from peft.tuners.lora.layer import LoraLayer
 
     from flashdora.peft_integration import layer_path
@@ -20,7 +31,8 @@ def _rows(model: nn.Module) -> list[tuple[str, str, str, str]]:
             continue
         base = type(module.get_base_layer()).__name__
         for adapter in module.lora_variant:
-            rows.append((name, adapter, base, layer_path(module, adapter)))
+            path = layer_path(module, adapter)
+            rows.append((name, adapter, base, path, _dropout(module, adapter, path)))
     return rows
 
 
@@ -28,16 +40,17 @@ def report(model: nn.Module, *, print_table: bool = True) -> str:
     """A table of every DoRA (module, adapter) of a PEFT ``model`` with its path, plus the call counters.
 
     Paths: ``flashdora:triton``, ``flashdora:eager``, ``peft`` (flashdora off for it), ``peft:<reason>`` (not
-    handled: the reason says why). Returns the text; prints it (through rich when installed) unless
+    handled: the reason says why). Dropout: ``-`` (none), ``p=<p> exact`` (PEFT's function) or ``p=<p> adapter``
+    (``enable(..., dropout="adapter")``). Returns the text; prints it (through rich when installed) unless
     ``print_table=False``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"report: model expected a torch.nn.Module, got {type(model).__name__}")
     rows = _rows(model)
-    totals = Counter(path for *_, path in rows)
+    totals = Counter(path for _, _, _, path, _ in rows)
     width = max([len(r[0]) for r in rows] + [6])
-    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<10} path"]
-    lines += [f"{n:<{width}}  {a:<10} {b:<10} {p}" for n, a, b, p in rows]
+    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<10} {'path':<18} dropout"]
+    lines += [f"{n:<{width}}  {a:<10} {b:<10} {p:<18} {d}" for n, a, b, p, d in rows]
     summary = ", ".join(f"{p}: {c}" for p, c in sorted(totals.items())) or "no DoRA layers found"
     lines.append(f"DoRA layers by path: {summary}")
     lines.append(f"calls since reset_stats(): {dict(sorted(backend.stats().items())) or '{}'}")
@@ -56,7 +69,7 @@ def _print(rows, footer) -> None:
         return
     table = Table(title="flashdora report")
     table.add_column("module", no_wrap=True)
-    for col in ("adapter", "base", "path"):
+    for col in ("adapter", "base", "path", "dropout"):
         table.add_column(col)
     for row in rows:
         table.add_row(*row, style=None if row[3].startswith("flashdora") else "yellow")
