@@ -1,6 +1,7 @@
 """Run under ``torchrun --nproc_per_node N``: flashdora under FSDP2 and DDP against one process's PEFT DoRA.
 
-For each wrapper (``--wrap fsdp2 ddp``): a tiny Llama with DoRA adapters on every projection trains ``--steps``
+For each wrapper (``--wrap``, ``WRAPS``: FSDP2 enabled after or before the sharding, with and without resharding
+after the forward, from the meta device, with gradient accumulation; DDP): a tiny Llama with DoRA adapters on every projection trains ``--steps``
 AdamW steps on slices of one global batch, flashdora enabled after the wrapping, gradient checkpointing on. Rank 0
 trains the same model without flashdora, unsharded, on the whole batch, and the worker checks:
 
@@ -39,12 +40,13 @@ N_LAYERS = CONFIG["num_hidden_layers"] * len(TARGETS)
 DEVICE = torch.device("cpu")
 
 
-def build():
+def build(device=None):
     torch.manual_seed(0)
-    with DEVICE:
+    device = device or DEVICE
+    with device:
         model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
-    with DEVICE:
+    with device:
         model = get_peft_model(model, lora)
     model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -99,21 +101,44 @@ def flash_vs_peft(model, inner, ids, what: str) -> None:
     close(flash, peft, what, 1e-5)
 
 
+WRAPS = {
+    "fsdp2": "fully_shard on every decoder layer and the root, then enable",
+    "fsdp2-early": "enable first, then fully_shard with reshard_after_forward=False on the decoder layers",
+    "fsdp2-meta": "built on the meta device, sharded, to_empty, weights loaded with set_model_state_dict",
+    "fsdp2-accum": "two micro-batches a step (set_requires_gradient_sync(False) on the first)",
+    "ddp": "DistributedDataParallel",
+}
+
+
+def wrapped(wrap: str, ref_state):
+    """(the model to call, the PEFT model inside it) for one of ``WRAPS``."""
+    if wrap == "ddp":
+        model = DistributedDataParallel(build(), device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
+        return model, model.module
+    model = build(torch.device("meta") if wrap == "fsdp2-meta" else None)
+    if wrap == "fsdp2-early":
+        flashdora.enable(model)
+    keep = {"reshard_after_forward": False} if wrap == "fsdp2-early" else {}
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, **keep)
+    fully_shard(model)
+    if wrap == "fsdp2-meta":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=DEVICE)
+        set_model_state_dict(model, ref_state, options=StateDictOptions(full_state_dict=True, strict=False))
+        llama = model.base_model.model.model  # non-persistent buffers are not in a state dict: built again
+        llama.rotary_emb = type(llama.rotary_emb)(config=llama.config, device=DEVICE)
+    return model, model
+
+
 def check(wrap: str, steps: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(steps, 2 * world)
     if rank == 0:
         ref_losses, ref_adapters = reference(steps, data)
-    model = build()
-    if wrap == "fsdp2":
-        for layer in model.base_model.model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        inner = model
-    else:
-        model = DistributedDataParallel(model, device_ids=[DEVICE] if DEVICE.type == "cuda" else None)
-        inner = model.module
-    flashdora.enable(inner)
+    model, inner = wrapped(wrap, build().state_dict())
+    flashdora.enable(inner)  # (again for fsdp2-early: idempotent)
     path = "flashdora:triton" if DEVICE.type == "cuda" else "flashdora:eager"
     report = flashdora.report(inner, print_table=False)  # (sharded weights at rest are DTensors)
     if f"DoRA layers by path: {path}: {N_LAYERS}" not in report:
@@ -123,8 +148,17 @@ def check(wrap: str, steps: int) -> None:
     losses = []
     for step, ids in enumerate(data):
         before = counts()
-        loss = model(input_ids=ids.chunk(world)[rank], labels=ids.chunk(world)[rank]).loss
-        loss.backward()
+        mine = ids.chunk(world)[rank]
+        if wrap == "fsdp2-accum":
+            loss = 0.0
+            for i, micro in enumerate(mine.chunk(2)):
+                model.set_requires_gradient_sync(i == 1)
+                part = model(input_ids=micro, labels=micro).loss / 2
+                part.backward()
+                loss = loss + part.detach()
+        else:
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         norms, base = (a - b for a, b in zip(counts(), before))
@@ -160,7 +194,7 @@ def check(wrap: str, steps: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", nargs="+", choices=["fsdp2", "ddp"], default=["fsdp2", "ddp"])
+    p.add_argument("--wrap", nargs="+", choices=list(WRAPS), default=list(WRAPS), help="default: all")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     args = p.parse_args()

@@ -27,11 +27,13 @@ def _run(*cmd: str) -> str:
 
 @posix
 def test_fsdp2_and_ddp_train_as_one_process_does():
-    """Two ranks under FSDP2 (every decoder layer and the root) and under DDP, gradient checkpointing on: the losses
-    and adapter weights of PEFT's DoRA in one process on the whole batch, one norm per layer per step and one
-    ``||W||^2`` per frozen base, and no stale norm after an in-place edit or a load between steps."""
+    """Two ranks under FSDP2 (every decoder layer and the root; enabled after or before the sharding, with and
+    without resharding after the forward, from the meta device, with gradient accumulation) and under DDP, gradient
+    checkpointing on: the losses and adapter weights of PEFT's DoRA in one process on the whole batch, one norm per
+    layer per step and one ``||W||^2`` per frozen base, ``report()`` listing every layer as flashdora's, and no stale
+    norm after an in-place edit or a load between steps."""
     out = _run(str(ROOT / "tests" / "dist_worker.py"))
-    assert "OK fsdp2" in out and "OK ddp" in out, out
+    assert all(f"OK {wrap}\n" in out for wrap in ("fsdp2", "fsdp2-early", "fsdp2-meta", "fsdp2-accum", "ddp")), out
 
 
 @pytest.mark.gpu2
