@@ -1,13 +1,14 @@
 """Run under ``torchrun --nproc_per_node N``: flashdora under FSDP2 and DDP against one process's PEFT DoRA.
 
 For each wrapper (``--wrap``, ``WRAPS``: FSDP2 enabled after or before the sharding, with and without resharding
-after the forward, from the meta device, with gradient accumulation; DDP): a tiny Llama with DoRA adapters on every projection trains ``--steps``
-AdamW steps on slices of one global batch, flashdora enabled after the wrapping, gradient checkpointing on. Rank 0
-trains the same model without flashdora, unsharded, on the whole batch, and the worker checks:
+after the forward, from the meta device, with gradient accumulation; DDP): a tiny Llama with DoRA adapters on every
+projection trains ``--steps`` AdamW steps on slices of one global batch, gradient checkpointing on. Rank 0 trains
+the same model without flashdora, unsharded, on the whole batch, and the worker checks:
 
 - losses and the adapter weights after training equal the one-process run (float32 round-off);
-- the norm is computed once per layer per step (``norm:eager`` or ``norm:triton``) and the frozen base's ``||W||^2`` once
-  (``norm:base_sq``), checkpoint recomputations and FSDP2's re-gathers included;
+- the norm is computed once per layer per step (``norm:eager`` or ``norm:triton``) and the frozen base's
+  ``||W||^2`` once (``norm:base_sq``), checkpoint recomputations and FSDP2's re-gathers included;
+- ``report()`` lists every layer on flashdora's path;
 - after an in-place edit of the (sharded) weights and after a ``load_state_dict``, with no optimizer step, the
   model's output equals PEFT's own on the same weights (no stale norm).
 

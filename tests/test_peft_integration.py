@@ -207,7 +207,8 @@ def test_fallbacks_are_counted_and_warned():
         out = model(ids)
     assert rel_err(out, peft_model(ids)) <= 1e-5
     counts = flashdora.stats()
-    assert counts == {"peft_fallback:embedding": 1, "peft_fallback:conv": 1, "eager": 1, "norm:eager": 1, "norm:base_sq": 1}
+    fallbacks = {"peft_fallback:embedding": 1, "peft_fallback:conv": 1}
+    assert counts == {**fallbacks, "eager": 1, "norm:eager": 1, "norm:base_sq": 1}
     text = flashdora.report(model, print_table=False)
     assert "peft:embedding" in text and "peft:conv" in text and "flashdora:eager" in text
     flashdora.disable(model)

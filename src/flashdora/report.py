@@ -10,7 +10,7 @@ from flashdora import backend
 
 
 def _dropout(module, adapter: str, path: str) -> str:
-    """``-`` without dropout, else ``p=<p> <mode>``: ``exact`` (PEFT's function) or ``adapter`` (flashdora's opt-in)."""
+    """``-`` without dropout, else ``p=<p> <mode>``: ``exact`` (PEFT's function) or ``adapter`` (the opt-in)."""
     from flashdora.peft_integration import dropout_mode
 
     layer = module.lora_dropout[adapter] if adapter in module.lora_dropout else None

@@ -43,7 +43,8 @@ def run(args) -> int:
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
                        "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
                 print(f"bench fsdp: r={r} {mode} on {nproc} ranks", file=sys.stderr, flush=True)
-                done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                done = subprocess.run(cmd, env=env)
                 if done.returncode == 0 and out.is_file():
                     rows.append(json.loads(out.read_text()))
                 else:
@@ -172,7 +173,7 @@ def worker(opts: dict) -> None:
             "paths": sorted(k for k in stats if not k.startswith("norm")),
         }  # fmt: skip
         Path(opts["out"]).write_text(json.dumps(row))
-    del model, opt
+    model = opt = None
     gc.collect()  # before the process group (examples/fsdp2_train.py says why)
     dist.destroy_process_group()
 
