@@ -92,9 +92,13 @@ def counts() -> tuple[int, int]:
     return s.get("norm:eager", 0) + s.get("norm:triton", 0), s.get("norm:base_sq", 0)
 
 
-def flash_vs_peft(model, inner, ids, what: str) -> None:
-    """The output with flashdora now (its cache as it stands) against PEFT's own forward on the same weights."""
+def flash_vs_peft(model, inner, ids, what: str, change=None) -> None:
+    """Fill the norm cache, ``change()`` the weights, then the output with flashdora (its cache as it stands)
+    against PEFT's own forward on the same weights. (``enable`` clears the cache: it comes last.)"""
     with torch.no_grad():
+        model(input_ids=ids)
+        if change is not None:
+            change()
         flash = model(input_ids=ids).logits
         flashdora.disable(inner)
         peft = model(input_ids=ids).logits
@@ -178,15 +182,17 @@ def check(wrap: str, steps: int) -> None:
     ids = data[0].chunk(world)[rank]
     model.eval()
     flash_vs_peft(model, inner, ids, f"{wrap} after training")
-    with torch.no_grad():  # in-place edits of the weights (sharded under FSDP2), no optimizer step
+
+    def edit():  # in place, on the sharded parameters under FSDP2; no optimizer step
         for name, p in inner.named_parameters():
             if "lora_B" in name or "lora_magnitude" in name:
                 p.mul_(1.5)
-    flash_vs_peft(model, inner, ids, f"{wrap} after an in-place edit")
-    flash_vs_peft(model, inner, ids, f"{wrap} after an in-place edit, cached")
-    state = {k: v * 0.5 for k, v in inner.state_dict().items() if "lora_A" in k}
-    inner.load_state_dict(state, strict=False)
-    flash_vs_peft(model, inner, ids, f"{wrap} after load_state_dict")
+
+    def load():
+        inner.load_state_dict({k: v * 0.5 for k, v in inner.state_dict().items() if "lora_A" in k}, strict=False)
+
+    flash_vs_peft(model, inner, ids, f"{wrap} after an in-place edit", edit)
+    flash_vs_peft(model, inner, ids, f"{wrap} after load_state_dict", load)
     if rank == 0:
         print(f"OK {wrap}", flush=True)
     del model, inner, opt

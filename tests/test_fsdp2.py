@@ -105,7 +105,7 @@ def test_shard_tags_key_a_refilled_parameter_by_its_shard():
                 p.copy_(shard)
             with torch.no_grad():
                 twin.copy_(shard)
-            p._flashdora_shard = (shard, shard._version)
+            p._flashdora_shard = (shard, shard, shard._version, shard._version)  # (DTensor, local): one here
 
     def norms():
         return flashdora.stats().get("norm:eager", 0)

@@ -122,8 +122,8 @@ def _take_shards(module, fsdp, dtensor) -> None:
 
 
 def shards(layer) -> None:
-    """At a LoRA layer's forward (FSDP2 has gathered): tag each unsharded weight with its shard's local tensor and
-    that tensor's version now (``norm_cache._key``)."""
+    """At a LoRA layer's forward (FSDP2 has gathered): tag each unsharded weight with its shard, the shard's local
+    tensor and both their versions now (``norm_cache._key``)."""
     pending = layer.__dict__.pop("_flashdora_pending", None)
     if pending is None:
         return
@@ -131,8 +131,11 @@ def shards(layer) -> None:
         for owner, sharded in pending:
             gathered = owner._parameters.get("weight")
             if gathered is not None and gathered is not sharded:
+                # The versions its values were gathered at: the DTensor's (in-place ops through it, optimizer steps,
+                # loads: DTensor runs the op on its local tensor below autograd, where that one's counter stays) and
+                # its local tensor's (writes through ``to_local()``).
                 local = sharded.to_local()
-                gathered._flashdora_shard = (local, local._version)  # the shard's version its values were gathered at
+                gathered._flashdora_shard = (sharded, local, sharded._version, local._version)
 
 
 def watch_hotswap() -> None:

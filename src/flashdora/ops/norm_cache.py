@@ -99,7 +99,7 @@ def _storage_number(t) -> int:
 
 def _key(t) -> tuple | None:
     """``t``'s ``(address, shape, strides, dtype, device, storage number, version)``; for an FSDP2 unsharded parameter
-    (tagged by ``watch.shards``), its shard's address, storage number and version instead of its own address: FSDP2
+    (tagged by ``watch.shards``), its shard's address, storage number and versions instead of its own address: FSDP2
     re-fills it without moving its version. ``None`` when its values are older than its shard (FSDP2 has not
     re-gathered since the shard changed): nothing to key an entry on. Raises ``RuntimeError`` for tensors without a
     version counter (inference tensors)."""
@@ -109,12 +109,12 @@ def _key(t) -> tuple | None:
         tag = None if base is None else getattr(base, "_flashdora_shard", None)
         if tag is None:
             return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, _storage_number(t), t._version)
-    shard, gathered_at = tag
-    if shard._version != gathered_at:
+    shard, local, shard_version, local_version = tag
+    if shard._version != shard_version or local._version != local_version:
         return None
     n = _storage_number
-    return ("shard", shard.data_ptr(), n(shard), gathered_at, t.shape, t.stride(), t.storage_offset(), t.dtype,
-            t.device, n(t), t._version)  # fmt: skip
+    return ("shard", local.data_ptr(), n(local), shard_version, local_version, t.shape, t.stride(), t.storage_offset(),
+            t.dtype, t.device, n(t), t._version)  # fmt: skip
 
 
 def _keys(w, a, b, m) -> tuple:
