@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc_per_node N``: flashdora under FSDP2 and DDP against one process's PEFT DoRA.
 
 For each wrapper (``--wrap``, ``WRAPS``: FSDP2 enabled after or before the sharding, with and without resharding
-after the forward, from the meta device, with gradient accumulation; DDP): a tiny Llama with DoRA adapters on every
+after the forward, from the meta device, with gradient accumulation, compiled (opt-in); DDP): a tiny Llama with DoRA adapters on every
 projection trains ``--steps`` AdamW steps on slices of one global batch, gradient checkpointing on. Rank 0 trains
 the same model without flashdora, unsharded, on the whole batch, and the worker checks:
 
@@ -112,7 +112,9 @@ WRAPS = {
     "fsdp2-meta": "built on the meta device, sharded, to_empty, weights loaded with set_model_state_dict",
     "fsdp2-accum": "two micro-batches a step (set_requires_gradient_sync(False) on the first)",
     "ddp": "DistributedDataParallel",
+    "fsdp2-compile": "fully_shard, enable, then torch.compile of every decoder layer (not in the default set: slow)",
 }
+DEFAULT = [w for w in WRAPS if w != "fsdp2-compile"]
 
 
 def wrapped(wrap: str, ref_state):
@@ -134,6 +136,10 @@ def wrapped(wrap: str, ref_state):
         set_model_state_dict(model, ref_state, options=StateDictOptions(full_state_dict=True, strict=False))
         llama = model.base_model.model.model  # non-persistent buffers are not in a state dict: built again
         llama.rotary_emb = type(llama.rotary_emb)(config=llama.config, device=DEVICE)
+    if wrap == "fsdp2-compile":
+        flashdora.enable(model)
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
     return model, model
 
 
@@ -201,7 +207,7 @@ def check(wrap: str, steps: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", nargs="+", choices=list(WRAPS), default=list(WRAPS), help="default: all")
+    p.add_argument("--wrap", nargs="+", choices=list(WRAPS), default=DEFAULT, help="default: all but fsdp2-compile")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     args = p.parse_args()
