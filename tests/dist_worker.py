@@ -201,7 +201,7 @@ def check(wrap: str, steps: int) -> None:
     flash_vs_peft(model, inner, ids, f"{wrap} after load_state_dict", load)
     if rank == 0:
         print(f"OK {wrap}", flush=True)
-    del model, inner, opt
+    model = inner = opt = None
     gc.collect()
 
 
