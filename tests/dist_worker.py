@@ -1,9 +1,10 @@
 """Run under ``torchrun --nproc_per_node N``: flashdora under FSDP2 and DDP against one process's PEFT DoRA.
 
 For each wrapper (``--wrap``, ``WRAPS``: FSDP2 enabled after or before the sharding, with and without resharding
-after the forward, from the meta device, with gradient accumulation, compiled (opt-in); DDP): a tiny Llama with DoRA adapters on every
-projection trains ``--steps`` AdamW steps on slices of one global batch, gradient checkpointing on. Rank 0 trains
-the same model without flashdora, unsharded, on the whole batch, and the worker checks:
+after the forward, from the meta device, with gradient accumulation, compiled (opt-in); DDP): a tiny Llama with
+DoRA adapters on every projection trains ``--steps`` AdamW steps on slices of one global batch, gradient
+checkpointing on. Rank 0 trains the same model without flashdora, unsharded, on the whole batch, and the worker
+checks:
 
 - losses and the adapter weights after training equal the one-process run (float32 round-off);
 - the norm is computed once per layer per step (``norm:eager`` or ``norm:triton``) and the frozen base's
