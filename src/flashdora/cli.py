@@ -34,6 +34,10 @@ LAYER_DTYPES = ("autocast", "bf16")
 _COMMANDS = {
     "demo": ("flashdora.demo", "train a small Llama-style model with PEFT DoRA and with flashdora; compare"),
     "parity": ("flashdora.parity", "logit fidelity vs PEFT and float64, and training-curve parity"),
+    "dropout-study": (
+        "flashdora.parity_dropout",
+        "held-out loss after training with PEFT DoRA (exact dropout), flashdora's adapter dropout and PEFT LoRA",
+    ),
     "bench layer": ("flashdora.bench.layer", "one DoRA layer: PEFT LoRA vs PEFT DoRA vs flashdora (GPU)"),
     "bench model": ("flashdora.bench.model", "a whole model from a transformers config: modes x phases (GPU)"),
     "bench fsdp": ("flashdora.bench.fsdp", "a training step under FSDP2 on several GPUs (torchrun inside)"),
@@ -43,6 +47,7 @@ _GROUPS = {"bench": "GPU benchmarks against PEFT"}
 _NEEDS = {
     "demo": (("rich",), "cli"),
     "parity": (("rich", "matplotlib"), "bench"),
+    "dropout-study": (("rich", "matplotlib"), "bench"),
     "bench layer": (("rich", "matplotlib"), "bench"),
     "bench model": (("rich", "matplotlib"), "bench"),
     "bench fsdp": ((), "bench"),
@@ -153,6 +158,45 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
         help="combine parity results of the same settings on different seeds (e.g. one --first-seed per device call) "
         "into one result; trains nothing",
     )
+
+
+def add_dropout_study_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=DEMO_SIZES, default="small", help="model size (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="fine-tuning AdamW steps per variant (default: %(default)s)")
+    p.add_argument(
+        "--seeds", type=int, default=3, help="seeds, each a fresh base, adapters and data order (default: 3)"
+    )
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="seeds run are first-seed .. first-seed + seeds - 1 (default 0)"
+    )
+    p.add_argument(
+        "--pretrain",
+        type=int,
+        default=300,
+        metavar="STEPS",
+        help="train the base model this many steps (all parameters) before attaching the adapters, then scale lora_B "
+        "to --lora-b-ratio, as parity --pretrain does; 0: random weights (default: %(default)s)",
+    )
+    p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
+    p.add_argument(
+        "--lora-b-ratio",
+        type=float,
+        default=0.07,
+        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
+    )
+    p.add_argument("--rank", type=int, default=16, help="LoRA / DoRA rank (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.1, help="lora_dropout, 0 <= p < 1 (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning AdamW learning rate (default: %(default)s)")
+    p.add_argument(
+        "--heldout-batches",
+        type=int,
+        default=16,
+        help="batches of the held-out text (the corpus's last 10%%, never trained on) the final loss is averaged "
+        "over (default: %(default)s)",
+    )
+    _common(p, results=True)
 
 
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
@@ -288,6 +332,7 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
 _ADD = {
     "demo": add_demo_arguments,
     "parity": add_parity_arguments,
+    "dropout-study": add_dropout_study_arguments,
     "bench layer": add_layer_arguments,
     "bench model": add_model_arguments,
     "bench fsdp": add_fsdp_arguments,
@@ -313,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
 _AT_LEAST = {
     "demo": {"steps": 1, "batch": 1, "seq": 1, "rank": 1},
     "parity": {"steps": 1, "seeds": 1, "first_seed": 0, "pretrain": 0, "rank": 1, "seq": 1, "batch": 1},
+    "dropout-study": {
+        **{k: 1 for k in ("steps", "seeds", "rank", "seq", "batch", "heldout_batches")},
+        **{k: 0 for k in ("first_seed", "pretrain")},
+    },
     "bench layer": {"ranks": 1, "tokens": 1, "reps": 1, "warmup": 0, "rounds": 1, "norm_rank": 1},
     "bench model": {
         **{k: 1 for k in ("layers", "rank", "batch", "seq", "prompt", "new_tokens", "reps", "rounds", "grad_accum")},
