@@ -15,8 +15,10 @@ import random
 import warnings
 from dataclasses import dataclass, field
 
+import peft
 import pytest
 import torch
+from packaging.version import Version
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora.layer import LoraLayer
 from peft.utils import hotswap
@@ -451,6 +453,16 @@ ROUTES = {
 }
 
 
+# PEFT before 0.21 fails these routes itself (its twin, which runs first): unmerging DoRA on Conv1D raises a shape
+# error, and a hotswap after ``swap_tensors`` leaves parameters that no longer require grad. CI runs this file
+# against the oldest supported PEFT too (scripts/test_oldest.sh).
+OLD_PEFT = Version(peft.__version__) < Version("0.21")
+
+
+def _peft_takes(name: str, model_name: str) -> bool:
+    return not OLD_PEFT or (name != "hotswap" and (name, model_name) != ("merge-unmerge", "gpt2"))
+
+
 def _take(pair: Pair, name: str):
     pair.history.append(name)
     ROUTES[name][0](pair)
@@ -461,7 +473,10 @@ def _take(pair: Pair, name: str):
 TRITON_ROUTES = [("delete-add-adapter", "llama"), ("new-parameter", "llama"), ("parametrization", "llama"),
                  ("set_scale", "llama")]  # fmt: skip
 ROUTE_CASES = [
-    pytest.param(name, model_name, backend, id=f"{name}-{model_name}-{backend}")
+    pytest.param(
+        name, model_name, backend, id=f"{name}-{model_name}-{backend}",
+        marks=[] if _peft_takes(name, model_name) else pytest.mark.skip(reason=f"PEFT {peft.__version__} fails it"),
+    )  # fmt: skip
     for name in sorted(ROUTES)
     for model_name, backend in [("llama", "eager"), ("gpt2", "eager"), ("llama", "triton")]
     if backend == "eager" or (name, model_name) in TRITON_ROUTES
@@ -505,6 +520,7 @@ def test_random_routes(backend, model_name, seed, monkeypatch):
     if getattr(flashdora, "invalidate", None) is None:
         names = [n for n in names if "invalidate" not in n]
     names = [n for n in names if n.split("-")[-1] not in FLAVORS or _runs(*n.split("-"))]
+    names = [n for n in names if _peft_takes(n, model_name)]
     for step in range(RANDOM_STEPS[backend]):
         name = pair.rng.choice(names)
         try:
