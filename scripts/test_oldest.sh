@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The oldest supported peft and transformers (scripts/constraints-oldest.txt): sets up ./.venv-oldest, then runs the
-# tests that touch their APIs (the PEFT seam, the norm cache and the routes to it, autocast, Trainer, CLI, bench); scripts/test.sh runs
-# the whole suite against the newest.
+# tests that touch their APIs (the PEFT seam, the norm cache and the routes to it, autocast, Trainer, CLI, bench);
+# scripts/test.sh runs the whole suite against the newest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-oldest CONSTRAINTS=scripts/constraints-oldest.txt bash scripts/setup.sh test

@@ -242,25 +242,29 @@ def render_markdown(result: dict) -> str:
 
 
 def render_png(result: dict, path: Path) -> None:
-    """Training loss per variant and seed (running mean), and each seed's held-out loss minus PEFT DoRA's (the
-    paired difference: the spread between seeds is larger than the one between variants)."""
+    """Training loss per variant and seed, that loss minus PEFT DoRA's (both running means), and each seed's held-out
+    loss minus PEFT DoRA's: the paired differences, as the spread between seeds dwarfs the one between variants."""
     from flashdora.parity_render import _running_mean
 
-    fig, axes = record.figure(1, 2, (12, 4.5))
-    left, right = axes[0]
-    window = max(1, result["settings"]["steps"] // 30)
+    fig, axes = record.figure(1, 3, (16, 4.5))
+    curves, deltas, heldout = axes[0]
+    window = max(1, result["settings"]["steps"] // 15)
     for i, v in enumerate(VARIANTS):
         for j, r in enumerate(result["runs"]):
             label = LABELS[v] if j == 0 else None
-            left.plot(_running_mean(r["curves"][v], window), color=f"C{i}", lw=1.0, alpha=0.8, label=label)
+            curves.plot(_running_mean(r["curves"][v], window), color=f"C{i}", lw=1.0, alpha=0.8, label=label)
+            delta = [a - b for a, b in zip(r["curves"][v], r["curves"]["peft_dora"])]
+            deltas.plot(_running_mean(delta, window), color=f"C{i}", lw=1.0, alpha=0.8, label=label)
             diff = r["heldout"][v] - r["heldout"]["peft_dora"]
-            right.plot([i], [diff], "o", color=f"C{j}", label=f"seed {r['seed']}" if i == 0 else None)
-    right.axhline(0.0, color="gray", lw=0.8)
-    left.set(xlabel="step", ylabel=f"training loss, running mean of {window}", title="fine-tuning curves")
-    right.set_xticks(range(len(VARIANTS)), [LABELS[v] for v in VARIANTS])
-    right.set(ylabel="held-out loss minus PEFT DoRA's", title=f"final held-out loss, {result['device']['name']}")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
+            heldout.plot([i], [diff], "o", color=f"C{j}", label=f"seed {r['seed']}" if i == 0 else None)
+    for ax in (deltas, heldout):
+        ax.axhline(0.0, color="gray", lw=0.8)
+    curves.set(xlabel="step", ylabel=f"training loss, running mean of {window}", title="fine-tuning, every seed")
+    deltas.set(xlabel="step", ylabel=f"minus PEFT DoRA's, running mean of {window}", title="training loss difference")
+    heldout.set_xticks(range(len(VARIANTS)), [LABELS[v] for v in VARIANTS])
+    heldout.set(ylabel="held-out loss minus PEFT DoRA's", title=f"final held-out loss, {result['device']['name']}")
+    for ax in axes[0]:
+        ax.legend(fontsize=8)
     record.save(fig, path)
 
 
