@@ -3,6 +3,7 @@
     python examples/train_with_trainer.py                  # tiny random Llama; CPU (fp32) or GPU (bf16)
     python examples/train_with_trainer.py --no-flashdora   # the same run on PEFT's own DoRA, to compare losses
     python examples/train_with_trainer.py --size small --max-steps 200
+    torchrun --nproc_per_node 2 examples/train_with_trainer.py --skip-trl   # the Trainer's DDP over two processes
 
 Everything is offline: the model is a random Llama and the text is the standard library's Python source as
 byte-level tokens (ids 0..255), so no hub model, tokenizer or dataset is needed. With your own model, build it with

@@ -76,6 +76,22 @@ def test_bench_fsdp_on_two_cpu_processes(tmp_path):
     assert "| tiny | 4 | flashdora |" in path.with_suffix(".md").read_text()
 
 
+@posix
+def test_trainer_under_torchrun_ddp_as_peft():
+    """``examples/train_with_trainer.py`` under ``torchrun``: the Trainer's own DDP over two processes, dropout on;
+    flashdora's loss is PEFT's, and each layer's norm is computed once per step."""
+
+    def trainer(*extra: str) -> tuple[str, str]:
+        out = _run(str(ROOT / "examples" / "train_with_trainer.py"), "--skip-trl", "--max-steps", "4", *extra)
+        loss = re.search(r"^Trainer: mean training loss ([0-9.]+)$", out, re.M)
+        assert loss, out
+        return loss.group(1), out
+
+    (flash, out), (peft, _) = trainer(), trainer("--no-flashdora")
+    assert flash == peft
+    assert "'norm:eager': 56" in out, out  # 4 steps x 14 layers
+
+
 def _layer():
     torch.manual_seed(0)
     config = LoraConfig(r=4, use_dora=True, target_modules=["proj"], init_lora_weights=False)
