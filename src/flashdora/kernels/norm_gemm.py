@@ -104,8 +104,8 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # (rows, d_in, r, dtype, device) -> whether cuBLAS runs the cross term faster as ``C^T = a W^T`` (``[r, rows]``)
 # than as ``C = W a^T``: the same product, tiled differently. Neither layout wins at every shape (H100, r = 384:
-# C^T 14% faster at 8192 -> 28672 and 4096 -> 14336, 5-9% slower at 5120 -> 27648 and 14336 -> 4096;
-# benchmarks/norm_gemm_layout.py), so each shape's first computation times both and keeps the faster.
+# C^T 14% faster at 8192 -> 28672 and 4096 -> 14336, 5-9% slower at 5120 -> 27648 and 14336 -> 4096; docs/history.md),
+# so each shape's first computation times both and keeps the faster.
 _TRANSPOSED: dict[tuple, bool] = {}
 _LAYOUT_REPS = 3
 
@@ -148,8 +148,8 @@ def _faster_transposed(w_rows, a, key) -> bool:
 def gram(a: torch.Tensor) -> torch.Tensor:
     """``a a^T`` ``[r, r]`` float32 of a 16-bit ``a`` (exact products, float32 sums), one cuBLAS GEMM on CUDA.
 
-    (A 4- or 16-way split over d_in as a batched GEMM, summed, was 0.001-0.004 ms slower in the norm's CUDA-graph
-    replay on an H100: ``*_norm-variants-ce08e82.txt``.)
+    (A 4- or 16-way split over d_in as a batched GEMM, summed, was 0.001-0.004 ms slower on an H100:
+    docs/history.md.)
     """
     return _mm_f32(a, a.T)
 

@@ -57,9 +57,9 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor, autocast: bool) -> to
     return torch.get_autocast_dtype(device_type) if autocast else lora_A.dtype
 
 
-# Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384,
-# benchmarks/fused_variants.py: at d_out 27648 the in-register cast costs the kernel 18-28 us more than a cast
-# pass plus the kernel on a 16-bit B; at d_out 4096 only 2-4 us, below the host time of one more launch).
+# Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384:
+# at d_out 27648 the in-register cast costs the kernel 18-28 us more than a cast pass plus the kernel on a 16-bit
+# B; at d_out 4096 only 2-4 us, below the host time of one more launch; docs/history.md).
 _CAST_B_FIRST = 8 * 2**20
 
 
