@@ -5,8 +5,9 @@ A layer of ordinary size is bound by the host. The C++ forward runs the LoRA A m
 kernel the Python path compiled and tuned (its launch plan comes from ``kernels.compose.fwd_plan``), and in training
 hangs the backward node on the output. The Python path's backward is otherwise an ``autograd.Function``: inside a
 model's backward it runs on the autograd engine's device thread, between the C++ nodes of everything else, and there
-its Python cost per layer is several times what the same code costs in a loop (docs/history.md). The node does the same work in C++: it launches the compose-backward kernel (plan from
-``kernels.compose.bwd_plan``), then the magnitude gradient's second stage and the two LoRA GEMMs. A call the C++
+its Python cost per layer is several times what the same code costs in a loop (docs/history.md). The node does
+the same work in C++: it launches the compose-backward kernel (plan from ``kernels.compose.bwd_plan``), then the
+magnitude gradient's second stage and the two LoRA GEMMs. A call the C++
 forward has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files
 the plans.
 
