@@ -81,7 +81,8 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in model.MODES for p in ("inference", "grad")}
+    default = [m for m in model.MODES if m != "flashdora_adapter"]  # (that one only with --dropout, by choice)
+    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
         assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
@@ -358,3 +359,26 @@ def test_model_quant_needs_bitsandbytes(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name))
     with pytest.raises(SystemExit, match="--quant nf4 needs bitsandbytes"):
         main(["bench", "model", "--preset", "tiny", "--quant", "nf4", "--device", "cpu"])
+
+
+def test_model_dropout_runs_both_modes(tmp_path, monkeypatch):
+    """``--dropout`` reaches every adapter, and ``flashdora_adapter`` runs ``enable(dropout="adapter")`` while
+    ``flashdora`` runs the exact function (the layers' mode as each row ran)."""
+    seen = {}
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        from flashdora.report import _rows
+
+        seen[mode] = {r[4] for r in _rows(target)}
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "grad", "--reps", "1"]
+    modes = ["peft_lora", "peft_dora", "flashdora", "flashdora_adapter"]
+    result, files = run_bench(tmp_path, *argv, "--warmup", "0", "--dropout", "0.1", "--modes", *modes)
+    assert [r["mode"] for r in result["records"]] == modes and all(r["ms"] > 0 for r in result["records"])
+    assert result["protocol"]["lora_dropout"] == 0.1
+    assert seen == {"peft_lora": set(), "peft_dora": {"p=0.1 exact"}, "flashdora": {"p=0.1 exact"},
+                    "flashdora_adapter": {"p=0.1 adapter"}}  # fmt: skip
+    assert "| flashdora_adapter |" in files[".md"].read_text()

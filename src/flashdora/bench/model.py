@@ -1,14 +1,16 @@
 """``flashdora bench model``: a whole model from a transformers config, random weights, base vs LoRA vs DoRA.
 
 The base model is built once (bf16, gradient checkpointing on) and wrapped in turn: PEFT LoRA (then unloaded),
-PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable`` and as
-``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)``, then unloaded). Phases (``inference``, ``grad``,
+PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable``, as
+``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as ``flashdora_adapter`` after
+``flashdora.enable(dropout="adapter")``, then unloaded). Phases (``inference``, ``grad``,
 ``train``, ``decode``) and what each step does: bench/model_phases.py. ``grad`` and ``train`` change (or mark as
 changed) the weights every step, so flashdora's norm cache recomputes the norm once per step, as in real training;
 ``inference`` and ``decode`` keep the cache (weights are fixed). ``train`` really updates the adapters (AdamW,
 lr 1e-5), so the modes after it on the same PEFT model start from slightly different values.
-Adapters target every linear projection, ``lora_alpha = rank``, no dropout, ``init_lora_weights=False`` (random
-non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys: docs/benchmarks.md.
+Adapters target every linear projection, ``lora_alpha = rank``, ``lora_dropout = --dropout`` (default 0),
+``init_lora_weights=False`` (random non-zero ``lora_B``), the same seed before each wrap. Protocol and result keys:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def wrap(model, args, use_dora: bool):
     config = LoraConfig(
         r=args.rank,
         lora_alpha=args.rank,
-        lora_dropout=0.0,
+        lora_dropout=args.dropout,
         target_modules=TARGETS,
         use_dora=use_dora,
         init_lora_weights=False,
@@ -200,7 +202,7 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
     rows = []
     if "base" in args.modes:
         rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
-    groups = [(False, ["peft_lora"]), (True, ["peft_dora", "flashdora", "flashdora_nocache"])]
+    groups = [(False, ["peft_lora"]), (True, ["peft_dora", "flashdora", "flashdora_nocache", "flashdora_adapter"])]
     if reverse:
         groups = [(use_dora, modes[::-1]) for use_dora, modes in groups[::-1]]
     for use_dora, modes in groups:
@@ -215,7 +217,8 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
             if mode == "peft_dora":
                 flashdora.disable(peft_model)
             else:
-                flashdora.enable(peft_model, norm_cache=mode == "flashdora")
+                dropout = "adapter" if mode == "flashdora_adapter" else "exact"
+                flashdora.enable(peft_model, norm_cache=mode != "flashdora_nocache", dropout=dropout)
             rows += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task, label)
         model = peft_model.unload()
         del peft_model
@@ -261,7 +264,7 @@ def run(args) -> int:
         "grad_accum": args.grad_accum,
         "compile": args.compile,
         "lora_alpha": "= rank (scaling 1)",
-        "lora_dropout": 0.0,
+        "lora_dropout": args.dropout,
         "init_lora_weights": False,
         "targets": TARGETS,
         "optimizer": "excluded" if "train" not in args.phases else "grad: excluded; train: " + TRAIN_OPTIMIZER,
