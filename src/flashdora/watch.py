@@ -48,8 +48,9 @@ def watch_writes(model: nn.Module, on: bool) -> None:
 
 # FSDP2. At every all-gather FSDP2 re-fills the same unsharded parameter (one persistent ``nn.Parameter`` per sharded
 # one, its storage freed and re-allocated) without moving its version counter, so its address and version say
-# nothing about its values. Its values are those of the sharded parameter, whose local tensor's version does move
-# with every write (optimizer steps, in-place edits, loads). So the cache keys an unsharded parameter by its shard:
+# nothing about its values. Its values are those of the sharded parameter (a DTensor), whose version counters (its
+# own, and its local tensor's for writes through ``to_local()``) do move with every write: optimizer steps, in-place
+# edits, loads. So the cache keys an unsharded parameter by its shard:
 # a forward pre-hook that runs before FSDP2's own (a global one: those run first) takes the sharded parameters of
 # the LoRA layers each FSDP2 module manages, and the layer's next forward (after FSDP2's all-gather) tags each
 # unsharded parameter with its shard (``_flashdora_shard``). The norm is then computed once per weight version, as
@@ -108,7 +109,8 @@ def _owners(layer):
     """The modules holding the four tensors the norm cache keys a DoRA layer by: base, lora_A, lora_B, magnitude."""
     mods = [layer.get_base_layer()]
     for name in getattr(layer, "lora_magnitude_vector", {}):
-        mods += [layer.lora_A[name], layer.lora_B[name], layer.lora_magnitude_vector[name]]
+        if name in layer.lora_A and name in layer.lora_B:  # (DoRA Embedding layers keep theirs elsewhere: PEFT's code)
+            mods += [layer.lora_A[name], layer.lora_B[name], layer.lora_magnitude_vector[name]]
     return mods
 
 
