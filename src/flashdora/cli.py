@@ -104,6 +104,26 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, results=False)
 
 
+def _add_pretrain_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """flashdora.parity_pretrain's options, for parity and dropout-study (it imports torch, so they are written
+    here); ``steps``: --pretrain's default."""
+    p.add_argument(
+        "--pretrain",
+        type=int,
+        default=steps,
+        metavar="STEPS",
+        help="train the base model this many steps (all parameters) before attaching the adapters, then scale lora_B "
+        "to --lora-b-ratio: a fine-tuning-like start (0: random weights, docs/history.md; default: %(default)s)",
+    )
+    p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
+    p.add_argument(
+        "--lora-b-ratio",
+        type=float,
+        default=0.07,
+        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
+    )
+
+
 def add_parity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=DEMO_SIZES, default=None, help="model size (default: tiny on CPU, wide on CUDA)")
     p.add_argument("--steps", type=int, default=50, help="training steps per seed (default: %(default)s)")
@@ -121,22 +141,7 @@ def add_parity_arguments(p: argparse.ArgumentParser) -> None:
         help="also train PEFT DoRA on a copy with every magnitude one float32 ulp off: the |delta loss| that "
         "chaotic training reaches between two runs of the same model (takes half as long again)",
     )
-    # flashdora.parity_pretrain's options (it imports torch, so they are written here)
-    p.add_argument(
-        "--pretrain",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="train the base model this many steps (all parameters) before attaching DoRA, then scale lora_B to "
-        "--lora-b-ratio: a fine-tuning-like start (default 0: random weights, docs/history.md)",
-    )
-    p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
-    p.add_argument(
-        "--lora-b-ratio",
-        type=float,
-        default=0.07,
-        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
-    )
+    _add_pretrain_arguments(p, 0)
     p.add_argument("--rank", type=int, default=16, help="DoRA rank (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=0.05, help="lora_dropout, 0 <= p < 1 (default: %(default)s)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 64 on CPU, 512 on CUDA)")
@@ -169,21 +174,7 @@ def add_dropout_study_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--first-seed", type=int, default=0, help="seeds run are first-seed .. first-seed + seeds - 1 (default 0)"
     )
-    p.add_argument(
-        "--pretrain",
-        type=int,
-        default=300,
-        metavar="STEPS",
-        help="train the base model this many steps (all parameters) before attaching the adapters, then scale lora_B "
-        "to --lora-b-ratio, as parity --pretrain does; 0: random weights (default: %(default)s)",
-    )
-    p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
-    p.add_argument(
-        "--lora-b-ratio",
-        type=float,
-        default=0.07,
-        help="with --pretrain: median ||s B A|| / ||W|| per row after scaling lora_B (default 0.07)",
-    )
+    _add_pretrain_arguments(p, 300)
     p.add_argument("--rank", type=int, default=16, help="LoRA / DoRA rank (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=0.1, help="lora_dropout, 0 <= p < 1 (default: %(default)s)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default: %(default)s)")
