@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import statistics
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import transformers
 
 import flashdora
+import flashdora.native
 from flashdora.bench import layer, model, record
 from flashdora.cli import main
 
@@ -81,7 +83,7 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    default = [m for m in model.MODES if m != "flashdora_adapter"]  # (that one only with --dropout, by choice)
+    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_adapter")]  # (only when asked for)
     assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
@@ -382,3 +384,18 @@ def test_model_dropout_runs_both_modes(tmp_path, monkeypatch):
     assert seen == {"peft_lora": set(), "peft_dora": {"p=0.1 exact"}, "flashdora": {"p=0.1 exact"},
                     "flashdora_adapter": {"p=0.1 adapter"}}  # fmt: skip
     assert "| flashdora_adapter |" in files[".md"].read_text()
+
+
+def test_native_off_restores_the_setting(monkeypatch):
+    """``flashdora_python``'s row runs with ``FLASHDORA_NATIVE=0`` and leaves the caller's setting as it was."""
+    for before in (None, "1"):
+        if before is None:
+            monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("FLASHDORA_NATIVE", before)
+        with model._native_off(True):
+            assert os.environ["FLASHDORA_NATIVE"] == "0"
+            assert not flashdora.native.enabled()
+        assert os.environ.get("FLASHDORA_NATIVE") == before
+        with model._native_off(False):
+            assert os.environ.get("FLASHDORA_NATIVE") == before

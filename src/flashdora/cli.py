@@ -21,7 +21,7 @@ PARITY_DTYPES = ("fp32", "autocast")  # flashdora.parity.MODES
 LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.layer_render.MODES
 LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
 MODEL_PRESETS = ("tiny", "llama3-8b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
-MODEL_MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_nocache", "flashdora_adapter")  # model_render
+MODEL_MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")  # model_render
 MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.bench.model_render.PHASES
 FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.fsdp.MODES
 # ``bench layer``'s defaults
@@ -258,9 +258,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         nargs="+",
         choices=MODEL_MODES,
-        default=[m for m in MODEL_MODES if m != "flashdora_adapter"],
-        help="base: no adapters; flashdora_nocache: flashdora with its norm cache off; flashdora_adapter: "
-        "enable(model, dropout='adapter'), which differs only with --dropout > 0 (default: all but flashdora_adapter)",
+        default=[m for m in MODEL_MODES if m not in ("flashdora_python", "flashdora_adapter")],
+        help="base: no adapters; flashdora_python: flashdora with its C++ compose off (FLASHDORA_NATIVE=0); "
+        "flashdora_nocache: flashdora with its norm cache off; flashdora_adapter: enable(model, dropout='adapter'), "
+        "which differs only with --dropout > 0 (default: all but flashdora_python and flashdora_adapter)",
     )
     p.add_argument(
         "--dropout",

@@ -2,7 +2,8 @@
 
 The base model is built once (bf16, gradient checkpointing on) and wrapped in turn: PEFT LoRA (then unloaded),
 PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable``, as
-``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as ``flashdora_adapter`` after
+``flashdora_python`` as ``flashdora`` with ``FLASHDORA_NATIVE=0`` (the Python compose, for an A/B of the C++ one in
+one launch), as ``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as ``flashdora_adapter`` after
 ``flashdora.enable(dropout="adapter")``, then unloaded). Phases (``inference``, ``grad``,
 ``train``, ``decode``) and what each step does: bench/model_phases.py. ``grad`` and ``train`` change (or mark as
 changed) the weights every step, so flashdora's norm cache recomputes the norm once per step, as in real training;
@@ -15,7 +16,9 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -202,7 +205,8 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
     rows = []
     if "base" in args.modes:
         rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
-    groups = [(False, ["peft_lora"]), (True, ["peft_dora", "flashdora", "flashdora_nocache", "flashdora_adapter"])]
+    dora_modes = ["peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter"]
+    groups = [(False, ["peft_lora"]), (True, dora_modes)]
     if reverse:
         groups = [(use_dora, modes[::-1]) for use_dora, modes in groups[::-1]]
     for use_dora, modes in groups:
@@ -219,11 +223,25 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
             else:
                 dropout = "adapter" if mode == "flashdora_adapter" else "exact"
                 flashdora.enable(peft_model, norm_cache=mode != "flashdora_nocache", dropout=dropout)
-            rows += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task, label)
+            with _native_off(mode == "flashdora_python"):
+                rows += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task, label)
         model = peft_model.unload()
         del peft_model
         timing.free_memory(device)
     return model, rows
+
+
+@contextlib.contextmanager
+def _native_off(off: bool):
+    """``FLASHDORA_NATIVE=0`` inside (read at every layer call), the caller's setting restored after."""
+    old = os.environ.get("FLASHDORA_NATIVE")
+    if off:
+        os.environ["FLASHDORA_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if off:
+            os.environ.pop("FLASHDORA_NATIVE", None) if old is None else os.environ.__setitem__("FLASHDORA_NATIVE", old)
 
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
