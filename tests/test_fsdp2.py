@@ -1,6 +1,7 @@
 """Several processes on the CPU (gloo): FSDP2 and DDP (``tests/dist_worker.py``), ``examples/fsdp2_train.py`` as a
 user runs it, and the FSDP2 shard tags of the norm cache in one process."""
 
+import math
 import re
 import subprocess
 import sys
@@ -66,14 +67,37 @@ def test_bench_fsdp_on_two_cpu_processes(tmp_path):
     import json
 
     cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
-           "4", "--reps", "2", "--warmup", "0", "--seq", "16", "--no-mp", "--out", str(tmp_path)]  # fmt: skip
+           "4", "--reps", "2", "--warmup", "0", "--seq", "16", "--mp", "off", "--out", str(tmp_path)]  # fmt: skip
     out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     (path,) = tmp_path.glob("*_fsdp.json")
     rows = {r["mode"]: r for r in json.loads(path.read_text())["records"]}
     assert set(rows) == {"peft_lora", "peft_dora", "flashdora"} and all(r["ms"] > 0 for r in rows.values())
     assert rows["flashdora"]["norms_per_step"] == 14 and rows["peft_dora"]["norms_per_step"] is None
-    assert "| tiny | 4 | flashdora |" in path.with_suffix(".md").read_text()
+    assert "| tiny | 4 | off | flashdora |" in path.with_suffix(".md").read_text()
+    assert all(len(r["losses"]) == 3 for r in rows.values())  # the first step and the 2 timed ones
+
+
+@posix
+def test_bench_fsdp_meta_init_trains_as_peft(tmp_path):
+    """``--meta`` (what a 70B shape needs): built on the meta device, sharded, each rank's shards filled with the
+    same random values for every mode, a bfloat16 base with float32 adapters under autocast. The loss falls, and
+    flashdora's curve is PEFT DoRA's; the PNG plots the curves."""
+    import json
+
+    cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
+           "4", "--modes", "peft_dora", "flashdora", "--reps", "4", "--warmup", "0", "--seq", "32", "--meta",
+           "--mp", "off", "--lr", "3e-3", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    (path,) = tmp_path.glob("*_fsdp.json")
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["records"]}
+    peft, flash = rows["peft_dora"]["losses"], rows["flashdora"]["losses"]
+    assert len(peft) == len(flash) == 5 and all(math.isfinite(v) for v in peft + flash)
+    assert peft[-1] < peft[0] - 1e-3  # it trains (the shards hold values, not to_empty's garbage)
+    assert max(abs(a - b) for a, b in zip(peft, flash)) < 2e-2  # bf16 autocast on both
+    assert rows["flashdora"]["norms_per_step"] == 14
+    assert path.with_suffix(".png").is_file()
 
 
 @posix

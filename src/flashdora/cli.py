@@ -20,7 +20,7 @@ DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.demo.SIZES
 PARITY_DTYPES = ("fp32", "autocast")  # flashdora.parity.MODES
 LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.layer_render.MODES
 LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
-MODEL_PRESETS = ("tiny", "llama3-8b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
+MODEL_PRESETS = ("tiny", "llama3-8b", "llama3-70b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
 MODEL_MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")  # model_render
 MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.bench.model_render.PHASES
 FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.fsdp.MODES
@@ -323,7 +323,20 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank and step (default: %(default)s)")
     p.add_argument("--reps", type=int, default=5, help="timed steps; the median is reported (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default: %(default)s)")
-    p.add_argument("--no-mp", action="store_true", help="no MixedPrecisionPolicy: float32 all through")
+    p.add_argument(
+        "--mp",
+        choices=("bf16", "off", "both"),
+        default="bf16",
+        help="bf16: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); off: the parameters' own dtypes "
+        "(float32 adapters under bf16 autocast); both: every row twice (default: %(default)s)",
+    )
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="build on the meta device, shard, then fill each rank's shards with random values: a bfloat16 base "
+        "and float32 adapters, for models that do not fit one GPU in float32 (llama3-70b)",
+    )
     p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
     _common(p, results=True)
 

@@ -12,12 +12,12 @@ forward has no plan for yet (a shape's first calls, which tune and compile) runs
 the plans.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
-no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) on the first Triton-path call of a CUDA
-layer, into torch's extension cache, once per machine, torch version and version of its source (about a minute;
-later processes load it in a second). It is on by default (``FLASHDORA_NATIVE=0`` keeps the Python path and never
-builds): it gives the Python path's bits, and it brings the layer benchmark's forward+backward within 1.10x LoRA
-where the Python backward misses it (docs/history.md). A build that fails warns once (with the fix) and leaves the
-Python path.
+no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) into torch's extension cache, once per
+machine, torch version and version of its source (tens of seconds; later processes load it in a second). The first
+Triton-path call of a CUDA layer starts the build (or load) in a background thread and the Python path runs until it
+is ready, so a fresh machine's first steps do not wait for a compiler (the two paths give the same bits). It is on by
+default (``FLASHDORA_NATIVE=0`` keeps the Python path and never builds): it cuts the host time of a layer call
+(docs/benchmarks.md has the whole-model A/B). A build that fails warns once (with the fix) and leaves the Python path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,7 +34,9 @@ from flashdora import backend
 
 _SOURCE = Path(__file__).parent / "csrc" / "compose.cpp"
 _module = None
-_tried = False
+_state = "idle"  # idle -> building -> ready | failed
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
 
 
 def enabled() -> bool:
@@ -43,17 +46,36 @@ def enabled() -> bool:
     return backend.switch("FLASHDORA_NATIVE", True) and backend.private_apis()
 
 
-def module():
-    """The built extension, or ``None`` (switched off, or the build failed). The first call while switched on builds
-    or loads it (blocking: every later step then runs the same code, which keeps runs and benchmarks steady)."""
-    if not _tried and enabled():
-        _build()
+def module(wait: bool = True):
+    """The built extension, or ``None``: switched off, the build failed, or (``wait=False``) still building. The first
+    call while switched on starts the build or load in a background thread; ``wait=True`` (benchmarks, tests) blocks
+    until it has ended."""
+    global _state, _thread
+    if _state == "idle" and enabled():
+        with _lock:
+            if _state == "idle":
+                _state = "building"
+                _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=True)
+                _thread.start()
+    if wait and _thread is not None:
+        _thread.join()
     return _module
 
 
+def failed() -> bool:
+    """Whether the build was tried and failed (the Python path stays for the rest of the process)."""
+    return _state == "failed"
+
+
 def _build() -> None:
-    global _module, _tried
-    _tried = True
+    global _module, _state
+    try:
+        _module = _load()
+    finally:
+        _state = "ready" if _module is not None else "failed"
+
+
+def _load():
     from torch.utils.cpp_extension import load
 
     # A build is tied to its torch's ABI and to its source: the hash keeps a cached build of other source (an older
@@ -62,11 +84,11 @@ def _build() -> None:
     name = f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
     print(
         f"flashdora: loading its C++ compose ({name}; built once per machine, torch version and flashdora source, "
-        "about a minute; FLASHDORA_NATIVE=0 skips it)",
+        "in the background: the Python path runs until it is ready; FLASHDORA_NATIVE=0 skips it)",
         file=sys.stderr,
     )
     try:
-        _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path still works
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         backend.warn_once(
@@ -79,5 +101,7 @@ def _build() -> None:
 
 def reset() -> None:
     """Forget the build (tests): the next ``module()`` loads or builds it again."""
-    global _module, _tried
-    _module, _tried = None, False
+    global _module, _state, _thread
+    if _thread is not None:
+        _thread.join()
+    _module, _state, _thread = None, "idle", None

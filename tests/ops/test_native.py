@@ -49,6 +49,31 @@ def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
     native.reset()
 
 
+def test_build_runs_in_the_background(monkeypatch):
+    """A fresh machine's first steps do not wait for the compiler: while the build runs, ``module(wait=False)`` gives
+    ``None`` and the compose asks again at its next call; once built, the extension is taken."""
+    import threading
+
+    import torch.utils.cpp_extension as cpp
+
+    release, built = threading.Event(), object()
+
+    def slow(**kwargs):
+        assert release.wait(30)
+        return built
+
+    monkeypatch.setattr(cpp, "load", slow)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    monkeypatch.setattr(C, "_native", None)
+    native.reset()
+    assert native.module(wait=False) is None and not native.failed()
+    assert C._load_native() is False and C._native is None  # this call: the Python path; the next asks again
+    release.set()
+    assert native.module() is built
+    assert C._load_native() is built and C._native is built
+    native.reset()
+
+
 def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
     x = torch.randn(2, t, d_in, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5
@@ -58,24 +83,30 @@ def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
     return x, w, lora_A, lora_B, mag
 
 
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "lx_base"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_cpu_node_matches_python_function(ext, dtype):
+def test_cpu_node_matches_python_function(ext, dtype, dropout):
+    """The node's wiring, also with dropout's exact form (``lx_base = lx W^T``, a fifth input whose gradient is
+    ``(g - 1) dy``; ``d_result = dy``): every gradient the same as ``ComposeFunction``'s."""
     adapter = torch.float64 if dtype == torch.float64 else torch.float32
     x, w, lora_A, lora_B, mag = _layer("cpu", dtype, adapter)
     s = 0.5
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
     dy = torch.randn(2, 7, 40, dtype=dtype)
+    mask = (torch.rand_like(x) > 0.3).to(dtype) / 0.7
     grads = []
     for use_node in (False, True):
         result = F.linear(x, w)
-        a = F.linear(x, lora_A.to(dtype))
+        lx = x * mask if dropout else x
+        lx_base = F.linear(lx, w) if dropout else None
+        a = F.linear(lx, lora_A.to(dtype))
         if use_node:
             with torch.no_grad():
-                y, inner = C._fwd(result, a, None, None, lora_B, scales, s, dtype, True, False)
-            ext.attach_eager(y, result, a, lora_B, mag, inner, scales, s)
+                y, inner = C._fwd(result, a, lx_base, None, lora_B, scales, s, dtype, True, False)
+            ext.attach_eager(y, result, a, lora_B, mag, inner, scales, s, lx_base=lx_base)
             assert y.grad_fn.name() == "FlashDoraComposeBackward"
         else:
-            y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, s, dtype)
+            y = C.ComposeFunction.apply(result, a, lx_base, None, lora_B, mag, scales, s, dtype)
         grads.append((y.detach(), *torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)))
     for want, got in zip(*grads):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -123,20 +154,24 @@ def test_double_backward_is_refused_on_both_paths(ext):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "lx_base"])
 @pytest.mark.parametrize(
     ("t", "d_in", "d_out", "r", "scaling"), [(37, 96, 1000, 16, 0.5), (2048, 512, 4096, 384, 1.0)]
 )
-def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, r, scaling):
+def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, r, scaling, dropout):
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, t, d_in, d_out, r)
     with torch.no_grad():
         mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.rand_like(x) > 0.1).to(x.dtype) / 0.9
 
     def run():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             result = F.linear(x, w)
-            y = C.compose_eager(result, x, lora_A, lora_B, mag, scales, scaling)
+            lx = x * mask if dropout else x
+            lx_base = F.linear(lx, w) if dropout else None
+            y = C.compose_eager(result, lx, lora_A, lora_B, mag, scales, scaling, lx_base=lx_base)
         torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
         return y.grad_fn.name(), y.detach(), torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
 

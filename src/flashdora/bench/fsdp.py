@@ -4,11 +4,15 @@
 launch for every (rank, mode) row, and writes the result JSON and Markdown. Each row builds the model from its config
 with random weights on every rank (float32, so that FSDP2 keeps float32 shards), wraps it with PEFT (LoRA or DoRA on
 every linear projection, ``lora_alpha = r``, random non-zero ``lora_B``), shards every decoder layer and the root
-with ``fully_shard`` (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` unless ``--no-mp``),
-enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps`` steps: forward, backward, AdamW
-step, ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq`` tokens, gradient checkpointing on unless
-``--no-checkpointing``. The first step is reported on its own (``first_s``: Triton compilation and tuning included).
-Peak memory is the largest ``max_memory_allocated`` over the ranks.
+with ``fully_shard`` (``--mp bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``off``:
+none; ``both``: each row twice), enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps``
+steps: forward, backward, AdamW step (``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq``
+tokens, gradient checkpointing on unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a
+bfloat16 base, float32 adapters), shards, and fills each rank's shards with random values (the magnitude with the
+rows' norms of ``W``): for models too large for one GPU. The first step is reported on its own (``first_s``: Triton
+compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over the ranks. Every step's
+loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row (``--mp both --lr 1e-4``
+shows what bf16 parameters do to each mode's training).
 """
 
 from __future__ import annotations
@@ -35,32 +39,37 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     nproc = args.nproc or (torch.cuda.device_count() if device.startswith("cuda") else 2)
     rows = []
+    mps = ("bf16", "off") if args.mp == "both" else (args.mp,)
     with tempfile.TemporaryDirectory() as tmp:
         for r in args.ranks:
-            for mode in args.modes:
-                out = Path(tmp) / f"{r}-{mode}.json"
-                opts = {**_options(args), "rank": r, "mode": mode, "device": device, "out": str(out)}
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
-                       "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
-                print(f"bench fsdp: r={r} {mode} on {nproc} ranks", file=sys.stderr, flush=True)
-                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                done = subprocess.run(cmd, env=env)
-                if done.returncode == 0 and out.is_file():
-                    rows.append(json.loads(out.read_text()))
-                else:
-                    rows.append({"r": r, "mode": mode, "error": f"exit {done.returncode}"})
-    protocol = {"ranks": nproc, "mixed_precision": "off" if args.no_mp else "bf16 params, fp32 reduce",
-                "checkpointing": not args.no_checkpointing, "optimizer": "AdamW (foreach)"}  # fmt: skip
+            for mp in mps:
+                for mode in args.modes:
+                    out = Path(tmp) / f"{r}-{mp}-{mode}.json"
+                    opts = {**_options(args), "rank": r, "mode": mode, "mp": mp, "device": device, "out": str(out)}
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
+                           "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
+                    print(f"bench fsdp: r={r} {mode} (mp {mp}) on {nproc} ranks", file=sys.stderr, flush=True)
+                    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                    done = subprocess.run(cmd, env=env)
+                    if done.returncode == 0 and out.is_file():
+                        rows.append(json.loads(out.read_text()))
+                    else:
+                        rows.append({"r": r, "mode": mode, "mp": mp, "error": f"exit {done.returncode}"})
+    protocol = {"ranks": nproc, "mixed_precision": {"bf16": "bf16 params, fp32 reduce", "off": "off",
+                "both": "each row with bf16 params (fp32 reduce) and without"}[args.mp],
+                "checkpointing": not args.no_checkpointing, "optimizer": f"AdamW (foreach), lr {args.lr:g}",
+                "init": "meta device, then random shards (bf16 base, fp32 adapters)" if args.meta
+                else "float32 model on every rank, then sharded"}  # fmt: skip
     result = record.new_result("fsdp", device, protocol, vars(args))
     result["records"] = rows
-    paths = record.write(result, args.out, render_markdown, None)
+    paths = record.write(result, args.out, render_markdown, render_png)
     print(render_markdown(json.loads(paths["json"].read_text())))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0 if all("error" not in r for r in rows) else 1
 
 
 def _options(args) -> dict:
-    keys = ("preset", "layers", "seq", "batch", "reps", "warmup", "no_mp", "no_checkpointing", "seed")
+    keys = ("preset", "layers", "seq", "batch", "reps", "warmup", "no_checkpointing", "seed", "lr", "meta")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -68,18 +77,83 @@ def render_markdown(result: dict) -> str:
     from flashdora.bench import record
 
     recs = result["records"]
-    ms = {(r["r"], r["mode"]): r.get("ms") for r in recs}
+    ms = {(r["r"], r.get("mp", "bf16"), r["mode"]): r.get("ms") for r in recs}
     rows = []
-    for rec in sorted(recs, key=lambda x: (x["r"], MODES.index(x["mode"]))):
-        lora, dora, this = ms.get((rec["r"], "peft_lora")), ms.get((rec["r"], "peft_dora")), rec.get("ms")
+    for rec in sorted(recs, key=lambda x: (x["r"], x.get("mp", "bf16"), MODES.index(x["mode"]))):
+        key = (rec["r"], rec.get("mp", "bf16"))
+        lora, dora, this = ms.get((*key, "peft_lora")), ms.get((*key, "peft_dora")), rec.get("ms")
+        losses = rec.get("losses") or [None]
         rows.append([
-            rec.get("preset"), rec["r"], rec["mode"], this,
+            rec.get("preset"), rec["r"], rec.get("mp", "bf16"), rec["mode"], this,
             None if not (this and lora) else this / lora, None if not (this and dora) else dora / this,
-            rec.get("peak_gib"), rec.get("first_s"), rec.get("norms_per_step"), rec.get("error", ""),
+            rec.get("peak_gib"), rec.get("first_s"), rec.get("norms_per_step"), losses[-1], rec.get("error", ""),
         ])  # fmt: skip
-    columns = ["preset", "r", "mode", "step ms", "vs peft_lora", "peft_dora / this", "peak GiB per GPU",
-               "first step s", "norms per step", "error"]  # fmt: skip
+    columns = ["preset", "r", "mp", "mode", "step ms", "vs peft_lora", "peft_dora / this", "peak GiB per GPU",
+               "first step s", "norms per step", "last loss", "error"]  # fmt: skip
     return record.header(result, "flashdora bench fsdp") + "\n\n" + record.table(columns, rows) + "\n"
+
+
+def render_png(result: dict, path) -> None:
+    """Each row's loss per step (rows with at least 3 steps), one panel per rank; nothing without such rows."""
+    recs = [r for r in result["records"] if len(r.get("losses") or ()) >= 3]
+    if not recs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({r["r"] for r in recs})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
+    for ax, rank in zip(axes[0], ranks):
+        for rec in (r for r in recs if r["r"] == rank):
+            style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
+            ax.plot(range(len(rec["losses"])), rec["losses"], style, label=f"{rec['mode']} (mp {rec.get('mp')})")
+        ax.set(title=f"r = {rank}", xlabel="step", ylabel="loss (mean over ranks)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"flashdora bench fsdp: {result['device'].get('name', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fill_shards(model, seed: int) -> None:
+    """Random values in each rank's shards after ``to_empty`` (``--meta``): weights ``N(0, 0.02)``, ``lora_A``
+    ``N(0, 1/d_in)``, ``lora_B`` ``N(0, 0.01)``, norm weights 1, each magnitude the norms of its ``W`` rows (FSDP2
+    shards ``W`` and the magnitude by the same rows)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = local(p)
+            if "lora_magnitude_vector" in name:
+                continue
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif "lora_A" in name:
+                t.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+            elif "lora_B" in name:
+                t.normal_(0.0, 0.01, generator=g)
+            else:
+                t.normal_(0.0, 0.02, generator=g)
+        for module in model.modules():
+            mags = getattr(module, "lora_magnitude_vector", None)
+            if mags:
+                w = local(module.get_base_layer().weight)
+                for mag in mags.values():
+                    local(mag.weight).copy_(torch.linalg.vector_norm(w.float(), dim=1))
+    for module in model.modules():  # buffers (rotary frequencies): from a fresh module built on the CPU
+        bufs = dict(module.named_buffers(recurse=False))
+        if bufs and hasattr(module, "config"):
+            fresh = dict(type(module)(module.config).named_buffers(recurse=False))
+            with torch.no_grad():
+                for name, buf in bufs.items():
+                    buf.copy_(fresh[name])
 
 
 def _build(opts: dict, device):
@@ -97,17 +171,23 @@ def _build(opts: dict, device):
         config.num_hidden_layers = opts["layers"]
     config.use_cache = False
     torch.manual_seed(opts["seed"])  # the same weights on every rank
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    meta = opts.get("meta", False)
+    with torch.device("meta" if meta else device):
+        dtype = torch.bfloat16 if meta else torch.float32
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         lora = LoraConfig(r=opts["rank"], lora_alpha=opts["rank"], target_modules=TARGETS,
                           use_dora=opts["mode"] != "peft_lora", init_lora_weights=False)  # fmt: skip
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora)  # (float32 adapters on a bfloat16 base: PEFT's autocast_adapter_dtype)
     if not opts["no_checkpointing"]:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    kwargs = {} if opts["no_mp"] else {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}
+    mp = opts.get("mp", "bf16")
+    kwargs = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)} if mp == "bf16" else {}
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if meta:
+        model.to_empty(device=device)
+        _fill_shards(model, opts["seed"] + 7919 * int(os.environ.get("RANK", 0)))
     if opts["mode"] == "flashdora":
         flashdora.enable(model)
     return model
@@ -132,16 +212,21 @@ def worker(opts: dict) -> None:
             torch.cuda.synchronize()
 
     model = _build(opts, device)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.get("lr", 1e-5))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(opts["seed"] + rank)
     ids = torch.randint(0, vocab, (opts["batch"], opts["seq"]), generator=g).to(device)
 
+    autocast = opts.get("mp", "bf16") == "off" and opts.get("meta", False)  # a bf16 base with fp32 adapters
+    losses = []
+
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -162,10 +247,14 @@ def worker(opts: dict) -> None:
     slowest = torch.tensor(times, device=device)  # a step ends when the slowest rank's does
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     slowest = slowest.tolist()
+    mean_losses = torch.stack(losses).float()
+    dist.all_reduce(mean_losses)
+    mean_losses = (mean_losses / world).tolist()
     if rank == 0:
         row = {
             "preset": opts["preset"] + (f"-{opts['layers']}l" if opts["layers"] else ""),
-            "r": opts["rank"], "mode": opts["mode"], "ranks": world, "seq": opts["seq"], "batch": opts["batch"],
+            "r": opts["rank"], "mode": opts["mode"], "mp": opts.get("mp", "bf16"), "ranks": world,
+            "seq": opts["seq"], "batch": opts["batch"], "losses": mean_losses,
             "ms": statistics.median(slowest[1 + opts["warmup"]:]) * 1e3,
             "times_ms": [t * 1e3 for t in slowest[1 + opts["warmup"]:]],
             "first_s": slowest[0], "peak_gib": peak.item() if cuda else None,

@@ -58,6 +58,18 @@ PRESETS = {
             max_position_embeddings=8192,
         ),
     ),
+    "llama3-70b": (
+        _LLAMA,
+        dict(
+            hidden_size=8192,
+            num_hidden_layers=80,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+        ),
+    ),
     "qwen2-7b": (
         _QWEN2,
         dict(
@@ -241,7 +253,9 @@ def _native_off(off: bool):
         yield
     finally:
         if off:
-            os.environ.pop("FLASHDORA_NATIVE", None) if old is None else os.environ.__setitem__("FLASHDORA_NATIVE", old)
+            os.environ.pop("FLASHDORA_NATIVE", None) if old is None else os.environ.__setitem__(
+                "FLASHDORA_NATIVE", old
+            )
 
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:

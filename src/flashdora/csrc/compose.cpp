@@ -131,12 +131,17 @@ int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 Arg ptr(const at::Tensor& t) { return Arg{'O', t.data_ptr(), 0, 0.0}; }
 Arg integer(int64_t v) { return Arg{'i', nullptr, v, 0.0}; }
 
-// d_result, d_a, d_lora_B, d_magnitude of `y = compose(result, a, lora_B, magnitude)` without dropout's lx_base.
+// d_result, d_a, d_lora_B, d_magnitude (and d_lx_base) of `y = compose(result, a, lora_B, magnitude[, lx_base])`.
+// Without lx_base: y = g (result - bias + s a B^T) + bias, d_result = g dy, s on the LoRA GEMMs' alpha. With
+// dropout's lx_base = lx W^T: y = result + (g - 1) lx_base + g s a B^T, d_result = dy, d_lx_base = (g - 1) dy, and
+// the LoRA GEMMs take (dy s) g, PEFT's rounding (ops/compose.py `_bwd`).
 struct ComposeBackward : public Node {
   SavedVariable a_, inner_;
   at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
   uint32_t b_version_ = 0;
-  double alpha_ = 1.0;
+  double alpha_ = 1.0;      // the LoRA GEMMs' alpha
+  double gdy_scale_ = 1.0;  // the kernel's factor on dy before g
+  bool lx_base_ = false;
   Plan plan_;
 
   std::string name() const override { return "FlashDoraComposeBackward"; }
@@ -159,22 +164,24 @@ struct ComposeBackward : public Node {
   }
 
   variable_list apply(variable_list&& grads) override {
-    variable_list out(4);
+    variable_list out(lx_base_ ? 5 : 4);
     if (!grads[0].defined()) return out;
     auto [a, inner] = unpack_saved();
     at::Tensor dy = grads[0].contiguous();
     if (!aligned(dy)) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
     at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
+    at::Tensor d_lx = lx_base_ ? at::empty_like(dy, at::MemoryFormat::Contiguous) : gdy;
     at::Tensor dg_part = at::empty({plan_.n_split, n}, scales_.options());
     std::vector<Arg> args = {
-        ptr(dy), ptr(inner), ptr(scales_), ptr(gdy), ptr(gdy), ptr(dg_part),
-        integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, 1.0},
+        ptr(dy), ptr(inner), ptr(scales_), ptr(gdy), ptr(d_lx), ptr(dg_part),
+        integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, gdy_scale_},
         integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
     };
     launch(plan_, args, plan_.n_split, cdiv(n, plan_.block_n), current_stream(dy.device()));
-    if (should_compute_output(0)) out[0] = gdy;
+    if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
     if (should_compute_output(3)) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
+    if (lx_base_ && should_compute_output(4)) out[4] = d_lx;
     if (should_compute_output(1) || should_compute_output(2)) {
       at::Tensor gdy2 = gdy.view({t, n});
       if (gdy2.scalar_type() != a.scalar_type()) gdy2 = gdy2.to(a.scalar_type());
@@ -198,18 +205,26 @@ struct ComposeBackward : public Node {
   }
 };
 
-// A node of type T with the edges and saved state both node types share (set_history hangs it on y).
+// A node of type T with the edges and saved state both node types share (set_history hangs it on y); `scaling`
+// goes on the LoRA GEMMs' alpha without lx_base, on dy before g with it.
 template <typename T>
 auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
-              const at::Tensor& inner, const at::Tensor& scales, double alpha) {
+              const at::Tensor& inner, const at::Tensor& scales, double scaling,
+              const std::optional<at::Tensor>& lx_base = std::nullopt) {
   auto node = make_node<T>();
-  node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
+  if (lx_base) {
+    node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude, *lx_base));
+  } else {
+    node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
+  }
   node->a_ = SavedVariable(a, false);
   node->inner_ = SavedVariable(inner, false);
   node->lora_B_ = lora_B;
   node->b_version_ = lora_B._version();
   node->scales_ = scales;
-  node->alpha_ = alpha;
+  node->lx_base_ = lx_base.has_value();
+  node->alpha_ = node->lx_base_ ? 1.0 : scaling;
+  node->gdy_scale_ = node->lx_base_ ? scaling : 1.0;
   return node;
 }
 
@@ -223,10 +238,11 @@ at::Tensor zero_like(const at::Tensor& a) {
 }
 
 // Hang a ComposeBackward launching `plan` on `y` (fresh, from the fused forward kernel): its inputs are result, a,
-// lora_B, magnitude.
+// lora_B, magnitude (and lx_base).
 void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha, Plan plan) {
-  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha);
+               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha, Plan plan,
+               const std::optional<at::Tensor>& lx_base = std::nullopt) {
+  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha, lx_base);
   node->zero_ = zero_like(a);
   node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
@@ -236,9 +252,9 @@ void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, cons
 void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
             const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha,
             int64_t function, int64_t warps, int64_t shared, int64_t block_n, int64_t n_split, int64_t rows,
-            std::string types, std::vector<int64_t> keep) {
+            std::string types, std::vector<int64_t> keep, const std::optional<at::Tensor>& lx_base) {
   hang_node(y, result, a, lora_B, magnitude, inner, scales, alpha,
-            Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)});
+            Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)}, lx_base);
 }
 
 // ---- The forward, and the launch plans it finds by key ----
@@ -265,11 +281,11 @@ std::vector<int64_t> fwd_key(const at::Tensor& result, int64_t r, c10::ScalarTyp
           static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0))};
 }
 
-// The backward kernel's plan (its token split depends on T itself).
-std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales) {
+// The backward kernel's plan (its token split depends on T itself; dropout's lx_base is another kernel).
+std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales, bool lx_base = false) {
   const int64_t n = result.size(-1);
   return {1, result.get_device(), result.numel() / n, n, static_cast<int64_t>(result.scalar_type()),
-          static_cast<int64_t>(scales.scalar_type()), scales.stride(0)};
+          static_cast<int64_t>(scales.scalar_type()), scales.stride(0), lx_base};
 }
 
 enum class Found { plan, missing, given_up };
@@ -365,23 +381,27 @@ void register_forward(const at::Tensor& result, const at::Tensor& a, const at::T
 // File the backward kernel's plan for gradients shaped and typed like `result`.
 void register_backward(const at::Tensor& result, const at::Tensor& scales, int64_t function, int64_t warps,
                        int64_t shared, int64_t block_n, int64_t n_split, int64_t rows, std::string types,
-                       std::vector<int64_t> keep) {
+                       std::vector<int64_t> keep, bool lx_base) {
   TORCH_CHECK(function != 0, "flashdora.native: register_backward needs a loaded kernel");
-  plans()[bwd_key(result, scales)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
+  plans()[bwd_key(result, scales, lx_base)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
                                           std::move(keep)};
 }
 
 // The same node's math in ATen, no kernel: a CPU test of the node's wiring (flashdora.native's tests).
 struct EagerComposeBackward : public ComposeBackward {
   variable_list apply(variable_list&& grads) override {
-    variable_list out(4);
+    variable_list out(lx_base_ ? 5 : 4);
     if (!grads[0].defined()) return out;
     auto [a, inner] = unpack_saved();
     at::Tensor dy = grads[0];
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
     at::Tensor d32 = dy.to(scales_.scalar_type()).reshape({t, n});
-    at::Tensor gdy = (d32 * scales_.select(0, 0)).to(dy.scalar_type()).view(dy.sizes());
-    if (should_compute_output(0)) out[0] = gdy;
+    at::Tensor gdy = ((gdy_scale_ == 1.0 ? d32 : d32 * gdy_scale_) * scales_.select(0, 0)).to(dy.scalar_type());
+    gdy = gdy.view(dy.sizes());
+    if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
+    if (lx_base_ && should_compute_output(4)) {
+      out[4] = (d32 * scales_.select(0, 1)).to(dy.scalar_type()).view(dy.sizes());
+    }
     if (should_compute_output(3)) {
       out[3] = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
     }
@@ -393,8 +413,10 @@ struct EagerComposeBackward : public ComposeBackward {
 };
 
 void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-                  const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha) {
-  torch::autograd::set_history(y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha));
+                  const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha,
+                  const std::optional<at::Tensor>& lx_base) {
+  torch::autograd::set_history(
+      y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha, lx_base));
 }
 
 }  // namespace
@@ -402,7 +424,16 @@ void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "the compose's forward on the Triton path: y, None (not taken) or False (no plan yet)");
   m.def("register_forward", &register_forward, "file the forward kernel's launch plan for calls like this one");
-  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these");
-  m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)");
-  m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)");
+  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these",
+        py::arg("result"), py::arg("scales"), py::arg("function"), py::arg("warps"), py::arg("shared"),
+        py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
+        py::arg("lx_base") = false);
+  m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)",
+        py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
+        py::arg("scales"), py::arg("alpha"), py::arg("function"), py::arg("warps"), py::arg("shared"),
+        py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
+        py::arg("lx_base") = py::none());
+  m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
+        py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
+        py::arg("scales"), py::arg("alpha"), py::arg("lx_base") = py::none());
 }

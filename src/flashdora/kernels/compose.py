@@ -344,14 +344,15 @@ def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]
 _BWD_PLANS: dict[tuple, tuple] = {}
 
 
-def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor) -> tuple | None:
+def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor, has_lx_base: bool = False) -> tuple | None:
     """How ``flashdora.native``'s backward node launches ``compose_bwd`` on ``t`` x ``n`` ``dtype`` gradients:
     ``(CUfunction, warps, shared bytes, BLOCK_N, n_split, rows_per_prog, parameter types, kept arguments)``, or
     ``None`` until ``compose_bwd`` has compiled that kernel (its first call tunes and compiles it through Triton).
 
-    The node passes ``dy`` contiguous and 16-byte aligned, ``inner`` and the outputs fresh (aligned) and no dropout's
-    ``lx_base``: the plan is the kernel ``compose_bwd`` compiled for such a call."""
-    key = (t, n, dtype, scales.dtype, scales.stride(0), scales.data_ptr() & 15, scales.device)
+    The node passes ``dy`` contiguous and 16-byte aligned, ``inner`` and the outputs fresh (aligned); with
+    ``has_lx_base`` (dropout's exact form) it also writes ``(g - 1) dy``: the plan is the kernel ``compose_bwd``
+    compiled for such a call."""
+    key = (t, n, dtype, scales.dtype, scales.stride(0), scales.data_ptr() & 15, scales.device, has_lx_base)
     plan = _BWD_PLANS.get(key)
     if plan is not None:
         return plan
@@ -360,7 +361,7 @@ def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor) -> tuple 
     rows, like = _bwd_split(t, n, scales)
     part = like.new_empty(1)  # an aligned stand-in for each tensor the node allocates or aligns
     args = (part, part, scales, part, part, part, t, n, rows, 1.0, n, n, n, n, scales.stride(0))
-    flags = dict(HAS_INNER=True, HAS_LX_BASE=False, EMULATE_RNE=configs.INTERPRETED)  # as compose_bwd's
+    flags = dict(HAS_INNER=True, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)  # as compose_bwd's
     got = configs.direct_plan(_compose_bwd_kernel, (n, dtype, dtype, scales.dtype), args, flags)
     if got is None:
         return None

@@ -41,13 +41,14 @@ COMPOSE_FWD = _pick(
     triton.Config({"BLOCK_M": 8, "BLOCK_N": 32}, num_warps=1),
 )
 
+# Every list below is short on purpose: a fresh machine compiles every config of every kernel in the first step
+# (about 1 s a config on an H100), and the kernels here are a few percent of a step, so a config a little off the
+# best costs less than the compile of one more (docs/design.md, "Cold start").
 # Compose with the LoRA B matmul inside (K = r): GEMM tiles; key ["N", "R"].
 COMPOSE_FUSED = _pick(
     [
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
@@ -56,10 +57,8 @@ COMPOSE_FUSED = _pick(
 # on the config) in steps of BLOCK_M.
 COMPOSE_BWD = _pick(
     [
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": 256}, num_warps=4),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 256}, num_warps=8),
-        triton.Config({"BLOCK_M": 8, "BLOCK_N": 512}, num_warps=4),
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4),
+        triton.Config({"BLOCK_M": 8, "BLOCK_N": 512}, num_warps=4),
     ],
     triton.Config({"BLOCK_M": 8, "BLOCK_N": 32}, num_warps=1),
 )
@@ -83,15 +82,9 @@ NORM_FWD = _pick(
 # with the row-dot in its epilogue; key ["r"]. BLOCK_J is norm_block_r's (it sets the partial rows), not tuned.
 NORM_EPILOGUE = _pick(
     [
-        triton.Config({"BLOCK_M": 128, "BLOCK_G": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_G": 32}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_G": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_G": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 256, "BLOCK_G": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK_M": 32, "BLOCK_G": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=2, num_stages=3),
-        triton.Config({"BLOCK_M": 16, "BLOCK_G": 32}, num_warps=2, num_stages=2),
+        triton.Config({"BLOCK_M": 64, "BLOCK_G": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_G": 32}, num_warps=8, num_stages=3),
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
 )

@@ -292,8 +292,8 @@ def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias
         return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
     if seq >= 0 and a.grad_fn is not None:
         a.grad_fn._set_sequence_nr(seq)
-    if lx_base is None and result.is_cuda and magnitude.requires_grad:
-        y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd)
+    if result.is_cuda and magnitude.requires_grad:
+        y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
         if y is not None:
             return y
     return _APPLY(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
@@ -303,10 +303,15 @@ _native = None  # flashdora.native's extension once loaded (on the first call sw
 
 
 def _load_native():
-    """The extension (built or loaded on the first call switched on), or ``False`` where it could not be built."""
+    """The extension, or ``False`` for this call: still building in the background (the next call asks again) or
+    its build failed (kept: never asked again)."""
     global _native
-    _native = native.module() or False
-    return _native
+    mod = native.module(wait=False)
+    if mod is not None:
+        _native = mod
+    elif native.failed():
+        _native = False
+    return mod or False
 
 
 def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias) -> None:
@@ -327,25 +332,30 @@ def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias) -> Non
         _native.register_forward(result, a, b, scales, bias, train, *plan)
 
 
-def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd):
+def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base=None):
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
-    does not apply: switched off, no Triton, no built extension, a trainable bias, or a backward kernel not compiled
-    yet (the Python path's first backward compiles it). The first call switched on builds or loads the node."""
-    if not native.enabled() or (bias is not None and bias.requires_grad) or not backend.use_triton(result):
+    does not apply: switched off, no Triton, no built extension, a trainable bias (or any bias with dropout's
+    ``lx_base``, which PEFT's exact form never passes), or a backward kernel not compiled yet (the Python path's
+    first backward compiles it). The first call switched on builds or loads the node."""
+    if not native.enabled() or not backend.use_triton(result):
+        return None
+    if bias is not None and (bias.requires_grad or lx_base is not None):
         return None
     if (_native if _native is not None else _load_native()) is False:
         return None
     kc = _kc or _import_kernels()
     n = result.shape[-1]
-    plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales)
+    has_lx = lx_base is not None
+    plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
     if plan is None:
         return None
-    _native.register_backward(result, scales, *plan)  # (the C++ forward takes the next such call)
+    if not has_lx:
+        _native.register_backward(result, scales, *plan)  # (the C++ forward takes the next such call)
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
-    y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, None, save_inner=True)
-    _native.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan)
+    y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=True)
+    _native.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan, lx_base=lx_base)
     return y
 
 
