@@ -55,7 +55,10 @@ def module(wait: bool = True):
         with _lock:
             if _state == "idle":
                 _state = "building"
-                _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=True)
+                # Not a daemon: a process that ends while the build runs waits for it at exit. Killed mid-build,
+                # torch's build would leave its lock file behind, and every later build on the machine would wait
+                # on that lock for ever.
+                _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=False)
                 _thread.start()
     if wait and _thread is not None:
         _thread.join()
