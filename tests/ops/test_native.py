@@ -4,6 +4,8 @@ On the CPU the node's ATen twin (``attach_eager``) checks the wiring: edges, sav
 the checks; on the GPU the real node (the compiled Triton kernel launched from C++) must give the Python path's bits.
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +74,33 @@ def test_build_runs_in_the_background(monkeypatch):
     assert native.module() is built
     assert C._load_native() is built and C._native is built
     native.reset()
+
+
+def test_a_process_that_ends_mid_build_waits_for_it(tmp_path):
+    """torch's build holds a lock file while it runs: a process killed mid-build would leave it behind, and every
+    later build on the machine would wait on it for ever. The build thread is no daemon, so a process whose work
+    ends first still lets the build finish (and release its lock) before it exits."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "built"
+    code = f"""
+import time
+import torch.utils.cpp_extension as cpp
+from flashdora import native
+
+def slow(**kwargs):
+    time.sleep(1.0)
+    open({str(done)!r}, "w").close()
+    return object()
+
+cpp.load = slow
+assert native.module(wait=False) is None  # building; the process's work ends here
+"""
+    env = {**os.environ, "FLASHDORA_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert done.exists()
 
 
 def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
