@@ -1,4 +1,4 @@
-from flashdora.ops.compose import dora_linear
+from flashdora.ops.linear import dora_linear
 from flashdora.ops.norm import factored_norm
 
 __all__ = ["dora_linear", "factored_norm"]
