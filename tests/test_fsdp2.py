@@ -79,6 +79,27 @@ def test_bench_fsdp_on_two_cpu_processes(tmp_path):
 
 
 @posix
+def test_bench_fsdp_row_timeout_kills_the_launch_and_keeps_the_rows(tmp_path):
+    """A launch that runs past ``--row-timeout`` (here: any launch, at 1 s) is killed with its process group and
+    recorded as an error; the result files are there, with every row, and the exit status is 1."""
+    import json
+
+    cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
+           "4", "--modes", "peft_lora", "flashdora", "--reps", "1", "--warmup", "0", "--seq", "16",
+           "--row-timeout", "1", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "ran past --row-timeout 1 s and was killed" in out.stderr
+    (path,) = tmp_path.glob("*_fsdp.json")
+    rows = json.loads(path.read_text())["records"]
+    assert [(r["mode"], r["error"]) for r in rows] == [
+        ("peft_lora", "timeout after 1 s"),
+        ("flashdora", "timeout after 1 s"),
+    ]
+    assert "timeout after 1 s" in path.with_suffix(".md").read_text()
+
+
+@posix
 def test_bench_fsdp_meta_init_trains_as_peft(tmp_path):
     """``--meta`` (what a 70B shape needs): built on the meta device, sharded, each rank's shards filled with the
     same random values for every mode, a bfloat16 base with float32 adapters under autocast. The loss falls, and

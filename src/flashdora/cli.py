@@ -111,7 +111,7 @@ _AT_LEAST = {
     },
     "bench fsdp": {**{k: 1 for k in ("nproc", "layers", "ranks", "seq", "batch", "reps")}, "warmup": 0},
 }
-_POSITIVE = {"parity": ("lr", "pretrain_lr", "lora_b_ratio"), "bench fsdp": ("lr",)}  # finite floats > 0
+_POSITIVE = {"parity": ("lr", "pretrain_lr", "lora_b_ratio"), "bench fsdp": ("lr", "row_timeout")}  # finite floats > 0
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 

@@ -295,6 +295,13 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
     p.add_argument(
+        "--row-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one row's launch may run before it is killed and recorded as an error; the rows done so far "
+        "are written after each row (default: %(default)s)",
+    )
+    p.add_argument(
         "--meta",
         action="store_true",
         help="build on the meta device, shard, then fill each rank's shards with random values: a bfloat16 base "

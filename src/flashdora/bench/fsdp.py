@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,14 @@ def run(args) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     nproc = args.nproc or (torch.cuda.device_count() if device.startswith("cuda") else 2)
-    rows = []
+    protocol = {"ranks": nproc, "mixed_precision": {"bf16": "bf16 params, fp32 reduce", "off": "off",
+                "both": "each row with bf16 params (fp32 reduce) and without"}[args.mp],
+                "checkpointing": not args.no_checkpointing, "optimizer": f"AdamW (foreach), lr {args.lr:g}",
+                "init": "meta device, then random shards (bf16 base, fp32 adapters)" if args.meta
+                else "float32 model on every rank, then sharded", "row_timeout_s": args.row_timeout}  # fmt: skip
+    result = record.new_result("fsdp", device, protocol, vars(args))
+    result["records"] = rows = []
+    paths = None
     mps = ("bf16", "off") if args.mp == "both" else (args.mp,)
     with tempfile.TemporaryDirectory() as tmp:
         for r in args.ranks:
@@ -46,26 +54,40 @@ def run(args) -> int:
                 for mode in args.modes:
                     out = Path(tmp) / f"{r}-{mp}-{mode}.json"
                     opts = {**_options(args), "rank": r, "mode": mode, "mp": mp, "device": device, "out": str(out)}
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
-                           "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
                     print(f"bench fsdp: r={r} {mode} (mp {mp}) on {nproc} ranks", file=sys.stderr, flush=True)
-                    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                    done = subprocess.run(cmd, env=env)
-                    if done.returncode == 0 and out.is_file():
+                    error = _launch(nproc, opts, args.row_timeout)
+                    if error is None and out.is_file():
                         rows.append(json.loads(out.read_text()))
                     else:
-                        rows.append({"r": r, "mode": mode, "mp": mp, "error": f"exit {done.returncode}"})
-    protocol = {"ranks": nproc, "mixed_precision": {"bf16": "bf16 params, fp32 reduce", "off": "off",
-                "both": "each row with bf16 params (fp32 reduce) and without"}[args.mp],
-                "checkpointing": not args.no_checkpointing, "optimizer": f"AdamW (foreach), lr {args.lr:g}",
-                "init": "meta device, then random shards (bf16 base, fp32 adapters)" if args.meta
-                else "float32 model on every rank, then sharded"}  # fmt: skip
-    result = record.new_result("fsdp", device, protocol, vars(args))
-    result["records"] = rows
-    paths = record.write(result, args.out, render_markdown, render_png)
+                        rows.append({"r": r, "mode": mode, "mp": mp, "error": error or "no result"})
+                    # the files after every row: a run stopped midway keeps the rows it finished
+                    if paths is None:
+                        paths = record.write(result, args.out, render_markdown, render_png)
+                    else:
+                        paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
+                        paths.update(record.render(paths["json"], render_markdown, render_png))
+    if paths is None:  # no rows asked for
+        paths = record.write(result, args.out, render_markdown, render_png)
     print(render_markdown(json.loads(paths["json"].read_text())))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0 if all("error" not in r for r in rows) else 1
+
+
+def _launch(nproc: int, opts: dict, timeout: float) -> str | None:
+    """One ``torch.distributed.run`` launch of ``worker``: ``None``, or why it gave no result (its exit status, or
+    ``timeout`` after ``timeout`` seconds, its whole process group killed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
+           "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"bench fsdp: the launch ran past --row-timeout {timeout:g} s and was killed", file=sys.stderr)
+        return f"timeout after {timeout:g} s"
+    return None if code == 0 else f"exit {code}"
 
 
 def _options(args) -> dict:
