@@ -14,11 +14,11 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     """Why flashdora cannot run this DoRA Linear layer (``None`` when it can)."""
     mods = module._modules
-    base = _base_layer(module)
+    base = base_layer(module)
     lora_B_layer = mods["lora_B"]._modules[adapter]
-    return _reason(
-        base, _param(base, "weight"), _param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
-        _param(lora_B_layer, "weight"), _param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
+    return reason(
+        base, param(base, "weight"), param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
+        param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
     )  # fmt: skip
 
 
@@ -27,14 +27,14 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
 # ``get_base_layer`` a caught AttributeError per call (about 2 and 5 us on a laptop CPU, against 0.15).
 
 
-def _base_layer(module: nn.Module) -> nn.Module:
+def base_layer(module: nn.Module) -> nn.Module:
     """PEFT's ``get_base_layer``: the innermost ``base_layer`` (nested when LoRA layers wrap LoRA layers)."""
     while "base_layer" in module._modules:
         module = module._modules["base_layer"]
     return module
 
 
-def _param(module: nn.Module, name: str):
+def param(module: nn.Module, name: str):
     """``getattr(module, name)`` for a registered parameter, without ``nn.Module.__getattr__``."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name, None)
@@ -43,13 +43,13 @@ def _param(module: nn.Module, name: str):
 _BNB_LAYERS = ("Linear4bit", "Linear8bitLt")  # bitsandbytes' quantized layers (QDoRA): class names, no bnb import
 
 
-def _bnb(base) -> bool:
+def is_bnb(base) -> bool:
     """Whether ``base`` is a bitsandbytes 4-bit or 8-bit Linear layer."""
     kind = type(base)
     return kind.__name__ in _BNB_LAYERS and kind.__module__.startswith("bitsandbytes")
 
 
-def _dequantized(base) -> torch.Tensor:
+def dequantized(base) -> torch.Tensor:
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization)."""
     from peft.utils.integrations import dequantize_module_weight
 
@@ -66,13 +66,14 @@ def _sharded(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
+def reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
+    """``unsupported_reason`` from the layer's parts, as the forward has them in hand."""
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
-    if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not _bnb(base):
+    if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not is_bnb(base):
         if not (_sharded(weight) and weight.dtype in _FLOATS):  # FSDP2 at rest: its forward sees the gathered weight
             return f"quantized:{type(base).__name__}"
-    if _param(lora_B_layer, "bias") is not None:
+    if param(lora_B_layer, "bias") is not None:
         return "lora_bias"
     device = weight.device
     if lora_A.device != device or lora_B.device != device or magnitude.device != device:

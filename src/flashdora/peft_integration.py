@@ -22,7 +22,12 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from flashdora import backend, watch
-from flashdora.layers import _base_layer, _bnb, _dequantized, _param, _reason, unsupported_reason
+from flashdora.layers import base_layer as _base_layer
+from flashdora.layers import dequantized as _dequantized
+from flashdora.layers import is_bnb as _bnb
+from flashdora.layers import param as _param
+from flashdora.layers import reason as _reason
+from flashdora.layers import unsupported_reason
 from flashdora.ops.compose import after_base, compose, compose_eager
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.watch import watch_writes
