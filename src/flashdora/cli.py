@@ -59,7 +59,7 @@ _NEEDS = {
     "dropout-study": (("rich", "matplotlib"), "bench"),
     "bench layer": (("rich", "matplotlib"), "bench"),
     "bench model": (("rich", "matplotlib"), "bench"),
-    "bench fsdp": ((), "bench"),
+    "bench fsdp": (("matplotlib",), "bench"),
 }
 
 

@@ -291,7 +291,8 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
         choices=("bf16", "off", "both"),
         default="bf16",
         help="bf16: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); off: the parameters' own dtypes "
-        "(float32 adapters under bf16 autocast); both: every row twice (default: %(default)s)",
+        "(float32 throughout; with --meta, float32 adapters on the bfloat16 base under bf16 autocast); both: "
+        "every row twice (default: %(default)s)",
     )
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
     p.add_argument(

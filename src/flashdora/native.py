@@ -37,6 +37,7 @@ _module = None
 _state = "idle"  # idle -> building -> ready | failed
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
+_done = threading.Event()  # set when a build has ended
 
 
 def enabled() -> bool:
@@ -54,14 +55,15 @@ def module(wait: bool = True):
     if _state == "idle" and enabled():
         with _lock:
             if _state == "idle":
-                _state = "building"
+                _done.clear()
+                _state = "building"  # (before the thread starts: it sets the final state)
                 # Not a daemon: a process that ends while the build runs waits for it at exit. Killed mid-build,
                 # torch's build would leave its lock file behind, and every later build on the machine would wait
                 # on that lock for ever.
                 _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=False)
                 _thread.start()
-    if wait and _thread is not None:
-        _thread.join()
+    if wait and _state == "building":
+        _done.wait()
     return _module
 
 
@@ -76,6 +78,7 @@ def _build() -> None:
         _module = _load()
     finally:
         _state = "ready" if _module is not None else "failed"
+        _done.set()
 
 
 def _load():

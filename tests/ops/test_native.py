@@ -112,14 +112,15 @@ def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
     return x, w, lora_A, lora_B, mag
 
 
-@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "lx_base"])
+@pytest.mark.parametrize("s", [0.5, 0.3])
+@pytest.mark.parametrize("dropout", [False, True, "no-grad"], ids=["plain", "lx_base", "lx_base-no-grad"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_cpu_node_matches_python_function(ext, dtype, dropout):
+def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
     """The node's wiring, also with dropout's exact form (``lx_base = lx W^T``, a fifth input whose gradient is
-    ``(g - 1) dy``; ``d_result = dy``): every gradient the same as ``ComposeFunction``'s."""
+    ``(g - 1) dy``; ``d_result = dy``), with and without a gradient to ``lx_base``: every gradient the same as
+    ``ComposeFunction``'s. ``s = 0.3`` tells ``(dy s) g`` from ``s (g dy)`` (a power of two would not)."""
     adapter = torch.float64 if dtype == torch.float64 else torch.float32
     x, w, lora_A, lora_B, mag = _layer("cpu", dtype, adapter)
-    s = 0.5
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
     dy = torch.randn(2, 7, 40, dtype=dtype)
     mask = (torch.rand_like(x) > 0.3).to(dtype) / 0.7
@@ -127,7 +128,7 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout):
     for use_node in (False, True):
         result = F.linear(x, w)
         lx = x * mask if dropout else x
-        lx_base = F.linear(lx, w) if dropout else None
+        lx_base = F.linear(lx.detach() if dropout == "no-grad" else lx, w) if dropout else None
         a = F.linear(lx, lora_A.to(dtype))
         if use_node:
             with torch.no_grad():

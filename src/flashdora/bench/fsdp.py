@@ -8,11 +8,12 @@ with ``fully_shard`` (``--mp bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16
 none; ``both``: each row twice), enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps``
 steps: forward, backward, AdamW step (``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq``
 tokens, gradient checkpointing on unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a
-bfloat16 base, float32 adapters), shards, and fills each rank's shards with random values (the magnitude with the
-rows' norms of ``W``): for models too large for one GPU. The first step is reported on its own (``first_s``: Triton
-compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over the ranks. Every step's
-loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row (``--mp both --lr 1e-4``
-shows what bf16 parameters do to each mode's training).
+bfloat16 base, float32 adapters, autocast with ``--mp off``), shards, and fills each rank's shards with random values
+(the magnitude with the rows' norms of ``W``): for models too large for one GPU. The first step is reported on its
+own (``first_s``: Triton compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over
+the ranks. Every step's loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row
+(``--mp both --lr 1e-3`` shows what bf16 parameters do to each mode's training). The result files are rewritten after
+every row, and a launch past ``--row-timeout`` is stopped and recorded as an error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,8 +64,7 @@ def run(args) -> int:
                     if paths is None:
                         paths = record.write(result, args.out, render_markdown, render_png)
                     else:
-                        paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
-                        paths.update(record.render(paths["json"], render_markdown, render_png))
+                        _rewrite(paths, result)
     if paths is None:  # no rows asked for
         paths = record.write(result, args.out, render_markdown, render_png)
     print(render_markdown(json.loads(paths["json"].read_text())))
@@ -75,19 +74,43 @@ def run(args) -> int:
 
 def _launch(nproc: int, opts: dict, timeout: float) -> str | None:
     """One ``torch.distributed.run`` launch of ``worker``: ``None``, or why it gave no result (its exit status, or
-    ``timeout`` after ``timeout`` seconds, its whole process group killed)."""
+    ``timeout`` after ``timeout`` seconds). A launch past its time gets SIGTERM, on which torchrun stops its ranks
+    (they run in sessions of their own, out of reach of a process-group kill), then SIGKILL if it is still there a
+    minute later; Ctrl-C reaches torchrun with the terminal's process group, and this waits for it to clean up."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
            "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env)
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        print(f"bench fsdp: the launch ran past --row-timeout {timeout:g} s and was killed", file=sys.stderr)
+        _stop(proc)
+        print(f"bench fsdp: the launch ran past --row-timeout {timeout:g} s and was stopped", file=sys.stderr)
         return f"timeout after {timeout:g} s"
+    except BaseException:  # Ctrl-C: torchrun got the signal too; let it stop its ranks
+        _stop(proc)
+        raise
     return None if code == 0 else f"exit {code}"
+
+
+def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _rewrite(paths: dict, result: dict) -> None:
+    """The result JSON replaced in one step (a run killed mid-write keeps the previous rows), then its renders."""
+    from flashdora.bench import record
+
+    tmp = paths["json"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    os.replace(tmp, paths["json"])
+    paths.update(record.render(paths["json"], render_markdown, render_png))
 
 
 def _options(args) -> dict:

@@ -240,9 +240,9 @@ at::Tensor zero_like(const at::Tensor& a) {
 // Hang a ComposeBackward launching `plan` on `y` (fresh, from the fused forward kernel): its inputs are result, a,
 // lora_B, magnitude (and lx_base).
 void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha, Plan plan,
+               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling, Plan plan,
                const std::optional<at::Tensor>& lx_base = std::nullopt) {
-  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha, lx_base);
+  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling, lx_base);
   node->zero_ = zero_like(a);
   node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
@@ -250,10 +250,10 @@ void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, cons
 
 // hang_node from Python (ops/compose.py `_compose_native`: a forward the C++ forward did not take).
 void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha,
+            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling,
             int64_t function, int64_t warps, int64_t shared, int64_t block_n, int64_t n_split, int64_t rows,
             std::string types, std::vector<int64_t> keep, const std::optional<at::Tensor>& lx_base) {
-  hang_node(y, result, a, lora_B, magnitude, inner, scales, alpha,
+  hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling,
             Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)}, lx_base);
 }
 
@@ -281,11 +281,12 @@ std::vector<int64_t> fwd_key(const at::Tensor& result, int64_t r, c10::ScalarTyp
           static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0))};
 }
 
-// The backward kernel's plan (its token split depends on T itself; dropout's lx_base is another kernel).
-std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales, bool lx_base = false) {
+// The backward kernel's plan (its token split depends on T itself).
+// (Only the forward here looks plans up, and it never takes dropout's lx_base: `attach` gets that plan directly.)
+std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales) {
   const int64_t n = result.size(-1);
   return {1, result.get_device(), result.numel() / n, n, static_cast<int64_t>(result.scalar_type()),
-          static_cast<int64_t>(scales.scalar_type()), scales.stride(0), lx_base};
+          static_cast<int64_t>(scales.scalar_type()), scales.stride(0)};
 }
 
 enum class Found { plan, missing, given_up };
@@ -381,9 +382,9 @@ void register_forward(const at::Tensor& result, const at::Tensor& a, const at::T
 // File the backward kernel's plan for gradients shaped and typed like `result`.
 void register_backward(const at::Tensor& result, const at::Tensor& scales, int64_t function, int64_t warps,
                        int64_t shared, int64_t block_n, int64_t n_split, int64_t rows, std::string types,
-                       std::vector<int64_t> keep, bool lx_base) {
+                       std::vector<int64_t> keep) {
   TORCH_CHECK(function != 0, "flashdora.native: register_backward needs a loaded kernel");
-  plans()[bwd_key(result, scales, lx_base)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
+  plans()[bwd_key(result, scales)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
                                           std::move(keep)};
 }
 
@@ -406,17 +407,21 @@ struct EagerComposeBackward : public ComposeBackward {
       out[3] = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
     }
     at::Tensor gdy2 = gdy.reshape({t, n}).to(a.scalar_type());
-    if (should_compute_output(2)) out[2] = at::mm(gdy2.t(), a.reshape({t, r})) * alpha_;
-    if (should_compute_output(1)) out[1] = (at::mm(gdy2, lora_B_.to(a.scalar_type())) * alpha_).view(a.sizes());
+    const at::Tensor zero = zero_like(a);  // s on the GEMMs' alpha, as the CUDA node and ops/compose.py `_mm`
+    auto mm = [&](const at::Tensor& p, const at::Tensor& q) {
+      return alpha_ == 1.0 ? at::mm(p, q) : at::addmm(zero, p, q, 0, alpha_);
+    };
+    if (should_compute_output(2)) out[2] = mm(gdy2.t(), a.reshape({t, r}));
+    if (should_compute_output(1)) out[1] = mm(gdy2, lora_B_.to(a.scalar_type())).view(a.sizes());
     return out;
   }
 };
 
 void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-                  const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double alpha,
+                  const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling,
                   const std::optional<at::Tensor>& lx_base) {
   torch::autograd::set_history(
-      y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, alpha, lx_base));
+      y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling, lx_base));
 }
 
 }  // namespace
@@ -424,16 +429,13 @@ void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "the compose's forward on the Triton path: y, None (not taken) or False (no plan yet)");
   m.def("register_forward", &register_forward, "file the forward kernel's launch plan for calls like this one");
-  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these",
-        py::arg("result"), py::arg("scales"), py::arg("function"), py::arg("warps"), py::arg("shared"),
-        py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
-        py::arg("lx_base") = false);
+  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these");
   m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
-        py::arg("scales"), py::arg("alpha"), py::arg("function"), py::arg("warps"), py::arg("shared"),
+        py::arg("scales"), py::arg("scaling"), py::arg("function"), py::arg("warps"), py::arg("shared"),
         py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
         py::arg("lx_base") = py::none());
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
-        py::arg("scales"), py::arg("alpha"), py::arg("lx_base") = py::none());
+        py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none());
 }

@@ -1,4 +1,5 @@
-"""``dora_linear`` and the DoRA compose: public function, autograd boundary, eager forward and backward.
+"""The DoRA compose: autograd boundary, eager forward and backward (``dora_linear``, the public function, is in
+``ops/linear.py``).
 
 ``compose`` takes the base layer's output (``result = x W^T + bias``, as PEFT hands it to its variants) and adds
 the DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Eager calls cross
@@ -335,7 +336,8 @@ def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
     does not apply: switched off, no Triton, no built extension, a trainable bias (or any bias with dropout's
     ``lx_base``, which PEFT's exact form never passes), or a backward kernel not compiled yet (the Python path's
-    first backward compiles it). The first call switched on builds or loads the node."""
+    first backward compiles it). The first call switched on starts the node's build in the background (``None``
+    until it is ready: the Python path runs meanwhile)."""
     if not native.enabled() or not backend.use_triton(result):
         return None
     if bias is not None and (bias.requires_grad or lx_base is not None):
