@@ -22,6 +22,7 @@ default (``FLASHDORA_NATIVE=0`` keeps the Python path and never builds): it cuts
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import re
 import sys
@@ -57,14 +58,30 @@ def module(wait: bool = True):
             if _state == "idle":
                 _done.clear()
                 _state = "building"  # (before the thread starts: it sets the final state)
-                # Not a daemon: a process that ends while the build runs waits for it at exit. Killed mid-build,
-                # torch's build would leave its lock file behind, and every later build on the machine would wait
-                # on that lock for ever.
-                _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=False)
+                # A process that ends while the build runs waits for it at exit (atexit, up to EXIT_WAIT_S): killed
+                # mid-build, torch's build would leave its lock file behind, and every later build on the machine
+                # would wait on that lock for ever. The bound keeps a build stuck on someone else's stale lock from
+                # holding the process for ever in turn.
+                _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=True)
                 _thread.start()
+                atexit.register(_wait_at_exit, _thread)
     if wait and _state == "building":
         _done.wait()
     return _module
+
+
+EXIT_WAIT_S = 600.0
+
+
+def _wait_at_exit(thread: threading.Thread) -> None:
+    thread.join(EXIT_WAIT_S)
+    if thread.is_alive():
+        print(
+            f"flashdora: the C++ compose's build is still running after {EXIT_WAIT_S:g} s; exiting without it. If "
+            "torch's extension build waits on a lock left by a killed process, delete that lock file in "
+            "TORCH_EXTENSIONS_DIR (torch's extension cache)",
+            file=sys.stderr,
+        )
 
 
 def failed() -> bool:

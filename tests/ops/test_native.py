@@ -103,6 +103,33 @@ assert native.module(wait=False) is None  # building; the process's work ends he
     assert done.exists()
 
 
+def test_the_exit_wait_is_bounded():
+    """A build stuck (on another process's stale lock, say) does not hold the process for ever: after
+    ``EXIT_WAIT_S`` it exits with a message that says what to delete."""
+    import subprocess
+    import sys
+    import time
+
+    code = """
+import time
+import torch.utils.cpp_extension as cpp
+from flashdora import native
+
+def stuck(**kwargs):
+    time.sleep(60)
+
+cpp.load = stuck
+native.EXIT_WAIT_S = 0.5
+assert native.module(wait=False) is None
+"""
+    env = {**os.environ, "FLASHDORA_NATIVE": "1"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 40
+    assert "still running after 0.5 s" in out.stderr and "TORCH_EXTENSIONS_DIR" in out.stderr
+
+
 def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
     x = torch.randn(2, t, d_in, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(d_out, d_in, device=device, dtype=dtype) / d_in**0.5
