@@ -46,7 +46,7 @@ def run(args) -> int:
                 else "float32 model on every rank, then sharded", "row_timeout_s": args.row_timeout}  # fmt: skip
     result = record.new_result("fsdp", device, protocol, vars(args))
     result["records"] = rows = []
-    paths = None
+    paths = record.write(result, args.out, render_markdown, render_png)  # rewritten after every row (below)
     mps = ("bf16", "off") if args.mp == "both" else (args.mp,)
     with tempfile.TemporaryDirectory() as tmp:
         for r in args.ranks:
@@ -60,13 +60,7 @@ def run(args) -> int:
                         rows.append(json.loads(out.read_text()))
                     else:
                         rows.append({"r": r, "mode": mode, "mp": mp, "error": error or "no result"})
-                    # the files after every row: a run stopped midway keeps the rows it finished
-                    if paths is None:
-                        paths = record.write(result, args.out, render_markdown, render_png)
-                    else:
-                        _rewrite(paths, result)
-    if paths is None:  # no rows asked for
-        paths = record.write(result, args.out, render_markdown, render_png)
+                    _rewrite(paths, result)  # a run stopped midway keeps the rows it finished
     print(render_markdown(json.loads(paths["json"].read_text())))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return 0 if all("error" not in r for r in rows) else 1

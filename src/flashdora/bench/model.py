@@ -252,10 +252,10 @@ def _native_off(off: bool):
     try:
         yield
     finally:
-        if off:
-            os.environ.pop("FLASHDORA_NATIVE", None) if old is None else os.environ.__setitem__(
-                "FLASHDORA_NATIVE", old
-            )
+        if off and old is None:
+            del os.environ["FLASHDORA_NATIVE"]
+        elif off:
+            os.environ["FLASHDORA_NATIVE"] = old
 
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
