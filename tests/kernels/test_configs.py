@@ -35,6 +35,50 @@ def test_launch_refuses_a_missing_constexpr():
     assert torch.equal(x, torch.zeros(10))
 
 
+def _drop_block_8(candidates, named_args, **kwargs):
+    return [c for c in candidates if c.kwargs["BLOCK"] != 8]
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK": 8}, num_warps=1), triton.Config({"BLOCK": 16}, num_warps=1),
+             triton.Config({"BLOCK": 32}, num_warps=1)],
+    key=["n"], prune_configs_by={"early_config_prune": _drop_block_8},
+)  # fmt: skip
+@triton.jit
+def _fill_block_kernel(p_x, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(p_x + offs, tl.zeros([BLOCK], dtype=tl.float32) + BLOCK, mask=offs < n)
+
+
+def test_launch_takes_the_first_config_its_pruning_keeps_without_tuning(monkeypatch):
+    """By default (``FLASHDORA_AUTOTUNE`` unset) the first launch of a key compiles one config, the first that the
+    kernel's own pruning keeps, and never runs the autotuner (a fresh machine would compile every config)."""
+    if not configs.backend.private_apis():
+        pytest.skip("the plain launch always tunes")
+    monkeypatch.delenv("FLASHDORA_AUTOTUNE", raising=False)
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("the autotuner ran")
+
+    monkeypatch.setattr(_fill_block_kernel, "run", no_tuning)
+    x = torch.full((40,), float("nan"))
+    configs.launch(_fill_block_kernel, _grid, (40,), (x, 40), {})
+    assert configs._TUNED[(id(_fill_block_kernel), (40,))][0]["BLOCK"] == 16
+    assert torch.equal(x[:16], torch.full((16,), 16.0)) and x[16:].isnan().all()
+    assert configs.default_config(_fill_block_kernel, (x, 40), {}).kwargs == {"BLOCK": 16}
+
+
+def test_autotune_switch_runs_the_autotuner(monkeypatch):
+    """``FLASHDORA_AUTOTUNE=1``: the first launch of a key goes through the autotuner."""
+    monkeypatch.setenv("FLASHDORA_AUTOTUNE", "1")
+    calls = []
+    run = _add_kernel.run
+    monkeypatch.setattr(_add_kernel, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+    x = torch.zeros(10)
+    configs.launch(_add_kernel, _grid, (12,), (x, 10), dict(ADD=1))
+    assert calls == [1] and torch.equal(x, torch.ones(10))
+
+
 def test_specialization_tells_apart_what_triton_specializes_on():
     """Calls share a compiled kernel only when Triton would compile the same one: the key must change with pointer
     alignment, divisibility by 16, equality to 1 and the 32-bit range of integers, and with nothing else."""

@@ -212,11 +212,29 @@ def _check_complete(kernel, args: tuple, flags: dict) -> None:
         raise TypeError(f"configs.launch: {name} needs {missing} in flags (a direct launch knows no defaults)")
 
 
+def autotune_enabled() -> bool:
+    """``FLASHDORA_AUTOTUNE`` (default off): time every config of a kernel's list at each new key, instead of taking
+    the list's first (its best on the H100 and H200 at the 8B shapes). Read at a key's first launch. Off, a fresh
+    machine compiles one config per kernel in the first step rather than every config (docs/design.md, "Cold
+    start"); ``kernel[grid]`` (untested versions) always tunes."""
+    return backend.switch("FLASHDORA_AUTOTUNE", False)
+
+
+def default_config(kernel, args: tuple, flags: dict) -> triton.Config:
+    """The first of ``kernel``'s configs that its own pruning keeps for these arguments (``prune_configs_by``)."""
+    candidates = kernel.configs
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune is not None:
+        candidates = prune(candidates, dict(zip(kernel.arg_names, args)), **flags)
+    return candidates[0]
+
+
 def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     """``kernel[grid](*args, **flags)`` for an autotuned ``kernel``, at a fraction of the host cost once warm.
 
     ``key`` must determine the autotuner's choice (its key values and the argument dtypes); ``flags`` are the
-    constexpr keyword arguments. The first call of a key runs the autotuner; the first call of each
+    constexpr keyword arguments. The first call of a key takes the list's first config (``default_config``), or
+    runs the autotuner under ``FLASHDORA_AUTOTUNE=1``; the first call of each
     (key, device, flags, specialization) compiles through Triton's JIT; later calls launch the compiled kernel
     directly: through torch's C++ launcher of compiled Triton kernels where torch has one (``_StaticCudaLauncher``,
     what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. On the device
@@ -231,11 +249,14 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     if tuned is None:
         _check_complete(kernel, args, flags)
         n_tensors = _leading_tensors(args)
-        kernel[grid](*args, **flags)
-        if INTERPRETED:
+        if not autotune_enabled():
+            tuned = _TUNED[tuned_key] = (default_config(kernel, args, flags).all_kwargs(), n_tensors)
+        else:
+            kernel[grid](*args, **flags)
+            if INTERPRETED:
+                return
+            _TUNED[tuned_key] = (kernel.best_config.all_kwargs(), n_tensors)
             return
-        _TUNED[tuned_key] = (kernel.best_config.all_kwargs(), n_tensors)
-        return
     config, n_tensors = tuned
     g = grid(config)
     if INTERPRETED:
