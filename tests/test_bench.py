@@ -346,8 +346,9 @@ def test_model_quant_nf4_runs_qlora_qdora_and_flashdora(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model, "measure_mode", checked)
     flashdora.reset_stats()
-    result, _ = run_bench(tmp_path, "model", "--preset", "tiny", "--quant", "nf4", "--phases", "inference",
-                          "--modes", "peft_lora", "peft_dora", "flashdora", "--reps", "1", "--warmup", "1")  # fmt: skip
+    modes = ("--modes", "peft_lora", "peft_dora", "flashdora")
+    result, _ = run_bench(tmp_path, "model", "--preset", "tiny", "--quant", "nf4", "--phases", "inference", *modes,
+                          "--reps", "1", "--warmup", "1")  # fmt: skip
     assert [mode for mode, _ in seen] == ["peft_lora", "peft_dora", "flashdora"]
     assert all(n == 14 for _, n in seen)  # 2 layers x 7 projections
     assert all(r["ms"] for r in result["records"])

@@ -339,7 +339,8 @@ def _launcher(fn, compiled, args: tuple, constexprs: dict) -> tuple:
 
 def _static_ok() -> bool:
     """torch's launcher is there and not switched off (``FLASHDORA_STATIC_LAUNCH=0``: Triton's launcher always)."""
-    return backend.switch("FLASHDORA_STATIC_LAUNCH", True) and _raw_stream is not None and _static_launch_fn() is not None
+    on = backend.switch("FLASHDORA_STATIC_LAUNCH", True)
+    return on and _raw_stream is not None and _static_launch_fn() is not None
 
 
 @functools.cache
