@@ -4,6 +4,7 @@
     python examples/train_with_trainer.py --no-flashdora   # the same run on PEFT's own DoRA, to compare losses
     python examples/train_with_trainer.py --size small --max-steps 200
     torchrun --nproc_per_node 2 examples/train_with_trainer.py --skip-trl   # the Trainer's DDP over two processes
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/train_with_trainer.py --skip-trl  # FSDP2
 
 Everything is offline: the model is a random Llama and the text is the standard library's Python source as
 byte-level tokens (ids 0..255), so no hub model, tokenizer or dataset is needed. With your own model, build it with
@@ -101,7 +102,23 @@ def train_with_trainer(args, output_dir: str) -> float:
         flashdora.enable(model)  # <- the one added line
     dataset = CausalLMDataset(byte_examples(args.max_steps * args.batch, args.seq))
     trainer = Trainer(model=model, args=training_args(args, output_dir, label_names=["labels"]), train_dataset=dataset)
-    return trainer.train().training_loss
+    loss = trainer.train().training_loss
+    print(f"Trainer: {_wrapping(trainer.model_wrapped)}")
+    return loss
+
+
+def _wrapping(model) -> str:
+    """How the Trainer (accelerate) ran the model: FSDP2, DDP or one process."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2's public name
+        FSDPModule = ()
+    sharded = sum(isinstance(m, FSDPModule) for m in model.modules()) if FSDPModule else 0
+    if sharded:
+        return f"FSDP2, {sharded} modules sharded"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "DDP"
+    return "one process"
 
 
 def byte_tokenizer():
