@@ -52,6 +52,30 @@ def test_fsdp2_example_runs_as_written():
     assert "'norm:eager': 28" in out, out  # 2 layers x 7 projections x 2 steps: once a step, recomputation included
 
 
+def _accelerate_trainer() -> str:
+    config = str(ROOT / "examples" / "accelerate_fsdp2.yaml")
+    example = [str(ROOT / "examples" / "train_with_trainer.py"), "--skip-trl", "--max-steps", "2", "--batch", "2"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *example, "--seq", "32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.count("Trainer: mean training loss") == 2, out.stdout  # both ranks trained
+    assert "'norm:" in out.stdout, out.stdout  # and went through flashdora
+    return out.stdout
+
+
+@posix
+def test_accelerate_config_runs_the_trainer_example():
+    """``examples/accelerate_fsdp2.yaml`` as the README gives it (on the CPU accelerate runs the Trainer's DDP)."""
+    pytest.importorskip("accelerate")
+    _accelerate_trainer()
+
+
+@pytest.mark.gpu2
+def test_accelerate_config_shards_with_fsdp2_on_two_gpus():
+    out = _accelerate_trainer()
+    assert "Trainer: FSDP2," in out, out
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
