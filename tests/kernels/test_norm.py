@@ -182,3 +182,16 @@ def test_norm_cross_term_layouts(d_out, d_in, r, layout, device, poisoned_empty,
     if layout == "timed":
         assert len(norm_gemm._TRANSPOSED) == 2  # one choice per chunk shape (the last chunk is shorter)
         assert not any(norm_gemm._TRANSPOSED.values()) or device == "cuda"
+
+
+def test_scales_from_norm_with_magnitudes_of_every_dtype_in_turn(device, poisoned_empty):
+    """The scales kernel's direct launch is cached per key: a float32 magnitude, then a bfloat16 one (FSDP2's
+    ``MixedPrecisionPolicy``), then float32 again must each get a kernel compiled for its dtype."""
+    from flashdora.kernels.norm import scales_from_norm
+    from flashdora.ops.norm import scales
+
+    norm = torch.rand(1000, device=device) + 0.5
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float32):
+        magnitude = (norm * (0.5 + torch.rand_like(norm))).to(dtype)
+        exact = scales(magnitude.float(), norm)
+        assert_close(scales_from_norm(magnitude, norm), exact.double(), 1e-6, f"scales, {dtype} magnitude")
