@@ -73,9 +73,6 @@ def _norm_fwd_kernel(
     tl.store(p_part + pid_r * d_out + offs_m, tl.sum(acc * b_bs, axis=1), mask=mask_m)
 
 
-# One config each: the autotuner never times anything here; it only lets ``configs.launch`` launch these kernels
-# directly (a plain ``kernel[grid]`` costs 50-100 us of host time a launch in Triton's JIT, once per layer and step).
-@triton.autotune(configs=[triton.Config({}, num_warps=4, num_stages=3)], key=[])
 @triton.jit
 def _gram_kernel(
     p_a, p_part, r, d_in, k_per_split, stride_ar,
@@ -124,9 +121,11 @@ def gram(lora_A: torch.Tensor) -> torch.Tensor:
     k_per_split = triton.cdiv(triton.cdiv(d_in, n_split), block_k) * block_k
     n_split = triton.cdiv(d_in, k_per_split)
     part = torch.empty((n_split, r, r), dtype=torch.float32, device=a.device)
-    flags = dict(PRECISION="tf32x3", BLOCK_R=block_r, BLOCK_K=block_k)
-    args = (a, part, r, d_in, k_per_split, a.stride(0))
-    configs.launch(_gram_kernel, lambda meta: (tiles, tiles, n_split), (a.dtype, part.dtype), args, flags)
+    _gram_kernel[(tiles, tiles, n_split)](
+        a, part, r, d_in, k_per_split, a.stride(0),
+        PRECISION="tf32x3", BLOCK_R=block_r, BLOCK_K=block_k,
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
     return part.sum(0)
 
 
@@ -174,7 +173,6 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor
     return _partials(weight, lora_A, lora_B, scaling, w_sq).sum(0)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=4)], key=[])
 @triton.jit
 def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, stride_s, FROM_SQ: tl.constexpr, BLOCK: tl.constexpr):
     """norm = sqrt(max(sum of the partial squared norms, 0)) (or the norm itself), then g, g - 1, 1 / norm (rows of
@@ -210,10 +208,8 @@ def _finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, tor
         norm, scales = both[0], both[1:]
     block = 1024 if not configs.INTERPRETED else 64
     m = magnitude.detach().contiguous()
-    args = (part, m, norm, scales, n_part, d_out, scales.stride(0))
-    grid = lambda meta: (triton.cdiv(d_out, block),)  # noqa: E731
-    key = (part.dtype, m.dtype, norm.dtype, scales.dtype)  # the compiled kernel is per dtype: the key must say them
-    configs.launch(_scales_kernel, grid, key, args, dict(FROM_SQ=from_sq, BLOCK=block))
+    grid = (triton.cdiv(d_out, block),)
+    _scales_kernel[grid](part, m, norm, scales, n_part, d_out, scales.stride(0), FROM_SQ=from_sq, BLOCK=block)
     return norm, scales
 
 
