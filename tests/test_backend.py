@@ -141,7 +141,7 @@ def test_untested_versions_take_the_plain_launch(monkeypatch):
     """On a torch or Triton the tests do not cover, no private internals: every kernel launches as ``kernel[grid]``,
     the C++ compose stays off and the autograd helpers fall back; the results are the same."""
     from flashdora import native
-    from flashdora.kernels import configs
+    from flashdora.kernels import launcher
     from flashdora.ops import compose
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
@@ -150,7 +150,7 @@ def test_untested_versions_take_the_plain_launch(monkeypatch):
     ref = dora_linear(*args)
     assert backend.tested_versions()  # this suite's versions (torch 2.13 CPU, triton 3.9; torch 2.11 on the GPUs)
     assert backend._minor("2.11.0+cu130") == (2, 11) and backend._minor("3.10.0") == (3, 10)
-    monkeypatch.setattr(configs, "_TUNED", _Refusing())  # the fast path's table: never read on the plain path
+    monkeypatch.setattr(launcher, "_TUNED", _Refusing())  # the fast path's table: never read on the plain path
     for untested in ("versions", "switch"):
         with monkeypatch.context() as m:
             if untested == "versions":

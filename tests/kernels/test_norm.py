@@ -112,7 +112,7 @@ def test_norm_and_scales(d_out, d_in, r, device, poisoned_empty):
 @pytest.fixture
 def one_config_at_a_time():
     """Yields a function that pins an autotuned kernel to one of its configs (and forgets tuned choices)."""
-    from flashdora.kernels import configs
+    from flashdora.kernels import launcher
 
     pinned = []
 
@@ -120,14 +120,14 @@ def one_config_at_a_time():
         if all(k is not kernel for k, _ in pinned):
             pinned.append((kernel, kernel.configs))
         kernel.configs = [cfg]
-        configs._TUNED.clear()
-        configs._COMPILED.clear()
+        launcher._TUNED.clear()
+        launcher._COMPILED.clear()
 
     yield pin
     for kernel, saved in pinned:
         kernel.configs = saved
-    configs._TUNED.clear()
-    configs._COMPILED.clear()
+    launcher._TUNED.clear()
+    launcher._COMPILED.clear()
 
 
 @pytest.mark.parametrize(

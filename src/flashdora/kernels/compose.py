@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdora.kernels import configs
+from flashdora.kernels import configs, launcher
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def compose_fwd(result, lora, scales, scaling, bias=None, lx_base=None, save_inn
             s_res, s_lora, s_lb, n, n, scales.stride(0),
         )  # fmt: skip
         key = (n, result.dtype, lora.dtype, lb2.dtype, bias_c.dtype, scales.dtype)
-        configs.launch(_compose_fwd_kernel, _grid_2d(t, n), key, args, flags)
+        launcher.launch(_compose_fwd_kernel, _grid_2d(t, n), key, args, flags)
     return y, inner if save_inner else None
 
 
@@ -249,7 +249,7 @@ def compose_fwd_fused(result, a, lora_B, scales, scaling, bias=None, lx_base=Non
     """
     t, n, y, inner, launch = _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner)
     if t > 0 and n > 0:
-        configs.launch(_compose_fused_fwd_kernel, _grid_2d(t, n), *launch)
+        launcher.launch(_compose_fused_fwd_kernel, _grid_2d(t, n), *launch)
     return y, inner if save_inner else None
 
 
@@ -276,7 +276,7 @@ def fwd_plan(result, a, lora_B, scales, scaling, bias, save_inner) -> tuple | No
     ``compose_fwd_fused`` has tuned and compiled that kernel. ``a`` may be a stand-in of the LoRA A output's dtype and
     width (the plan depends on its alignment, never its values)."""
     t, n, _, _, (key, args, flags) = _fused_call(result, a, lora_B, scales, scaling, bias, None, save_inner)
-    plan = configs.direct_plan(_compose_fused_fwd_kernel, key, args, flags) if t > 0 and n > 0 else None
+    plan = launcher.direct_plan(_compose_fused_fwd_kernel, key, args, flags) if t > 0 and n > 0 else None
     if plan is None:
         return None
     config, function, warps, shared, types, keep = plan
@@ -307,7 +307,7 @@ def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
         )  # fmt: skip
         flags = dict(HAS_INNER=inner is not None, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)
         grid = lambda meta: (n_split, _cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-        configs.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, scales.dtype), args, flags)
+        launcher.launch(_compose_bwd_kernel, grid, (n, dy.dtype, inner2.dtype, scales.dtype), args, flags)
     dg = None
     if inner is not None:
         if n_split == 1:
@@ -362,7 +362,7 @@ def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor, has_lx_ba
     part = like.new_empty(1)  # an aligned stand-in for each tensor the node allocates or aligns
     args = (part, part, scales, part, part, part, t, n, rows, 1.0, n, n, n, n, scales.stride(0))
     flags = dict(HAS_INNER=True, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)  # as compose_bwd's
-    got = configs.direct_plan(_compose_bwd_kernel, (n, dtype, dtype, scales.dtype), args, flags)
+    got = launcher.direct_plan(_compose_bwd_kernel, (n, dtype, dtype, scales.dtype), args, flags)
     if got is None:
         return None
     config, function, warps, shared, types, keep = got

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdora.kernels import configs
+from flashdora.kernels import configs, launcher
 from flashdora.kernels.norm_gemm import _gram_term, norm_half, weight_sq
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -149,7 +149,7 @@ def _fused_partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
         weight.stride(0), weight.stride(1), a.stride(0), b.stride(0), b.stride(1),
     )  # fmt: skip
     flags = dict(BLOCK_R=block_r, BLOCK_G=configs.NORM_GRAM_BLOCK_K)
-    configs.launch(_norm_fwd_kernel, grid, (d_out, d_in, r, weight.dtype, b.dtype), args, flags)
+    launcher.launch(_norm_fwd_kernel, grid, (d_out, d_in, r, weight.dtype, b.dtype), args, flags)
     part[-1] = w_sq
     return part
 

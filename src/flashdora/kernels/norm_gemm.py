@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from flashdora import backend
-from flashdora.kernels import configs
+from flashdora.kernels import configs, launcher
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
 
@@ -192,5 +192,5 @@ def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
             rows, r, 2.0 * scaling, scaling * scaling,
             stride_cm, stride_cj, b.stride(0), b.stride(1), part.stride(0),
         )  # fmt: skip
-        configs.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
+        launcher.launch(_epilogue_kernel, grid, (r, b.dtype), args, dict(BLOCK_J=block_j))
     return part

@@ -1,4 +1,4 @@
-"""``configs.launch``: the direct launch passes every constexpr by name, so a missing one must fail loudly, on the CPU
+"""``launcher.launch``: the direct launch passes every constexpr by name, so a missing one must fail loudly, on the CPU
 too (a signature default once passed the interpreter and failed only on the GPU)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdora.kernels import configs
+from flashdora.kernels import launcher
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=1)], key=["n"])
@@ -24,14 +24,14 @@ def _grid(meta):
 def test_launch_passes_flags_by_name():
     x = torch.arange(10, dtype=torch.float32)
     for _ in range(2):  # the first call tunes, the second takes the direct path (on the GPU)
-        configs.launch(_add_kernel, _grid, (10,), (x, 10), dict(ADD=2))
+        launcher.launch(_add_kernel, _grid, (10,), (x, 10), dict(ADD=2))
     assert torch.equal(x, torch.arange(10, dtype=torch.float32) + 4)
 
 
 def test_launch_refuses_a_missing_constexpr():
     x = torch.zeros(10)
     with pytest.raises(TypeError, match=r"_add_kernel needs \['ADD'\]"):
-        configs.launch(_add_kernel, _grid, (11,), (x, 10), {})
+        launcher.launch(_add_kernel, _grid, (11,), (x, 10), {})
     assert torch.equal(x, torch.zeros(10))
 
 
@@ -53,7 +53,7 @@ def _fill_block_kernel(p_x, n, BLOCK: tl.constexpr):
 def test_launch_takes_the_first_config_its_pruning_keeps_without_tuning(monkeypatch):
     """By default (``FLASHDORA_AUTOTUNE`` unset) the first launch of a key compiles one config, the first that the
     kernel's own pruning keeps, and never runs the autotuner (a fresh machine would compile every config)."""
-    if not configs.backend.private_apis():
+    if not launcher.backend.private_apis():
         pytest.skip("the plain launch always tunes")
     monkeypatch.delenv("FLASHDORA_AUTOTUNE", raising=False)
 
@@ -62,10 +62,10 @@ def test_launch_takes_the_first_config_its_pruning_keeps_without_tuning(monkeypa
 
     monkeypatch.setattr(_fill_block_kernel, "run", no_tuning)
     x = torch.full((40,), float("nan"))
-    configs.launch(_fill_block_kernel, _grid, (40,), (x, 40), {})
-    assert configs._TUNED[(id(_fill_block_kernel), (40,))][0]["BLOCK"] == 16
+    launcher.launch(_fill_block_kernel, _grid, (40,), (x, 40), {})
+    assert launcher._TUNED[(id(_fill_block_kernel), (40,))][0]["BLOCK"] == 16
     assert torch.equal(x[:16], torch.full((16,), 16.0)) and x[16:].isnan().all()
-    assert configs.default_config(_fill_block_kernel, (x, 40), {}).kwargs == {"BLOCK": 16}
+    assert launcher.default_config(_fill_block_kernel, (x, 40), {}).kwargs == {"BLOCK": 16}
 
 
 def test_autotune_switch_runs_the_autotuner(monkeypatch):
@@ -75,7 +75,7 @@ def test_autotune_switch_runs_the_autotuner(monkeypatch):
     run = _add_kernel.run
     monkeypatch.setattr(_add_kernel, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
     x = torch.zeros(10)
-    configs.launch(_add_kernel, _grid, (12,), (x, 10), dict(ADD=1))
+    launcher.launch(_add_kernel, _grid, (12,), (x, 10), dict(ADD=1))
     assert calls == [1] and torch.equal(x, torch.ones(10))
 
 
@@ -83,7 +83,7 @@ def test_specialization_tells_apart_what_triton_specializes_on():
     """Calls share a compiled kernel only when Triton would compile the same one: the key must change with pointer
     alignment, divisibility by 16, equality to 1 and the 32-bit range of integers, and with nothing else."""
     buf = torch.zeros(64)
-    spec = configs._specialization
+    spec = launcher._specialization
     base = spec((buf, 32, 1.5))
     assert spec((buf[4:], 48, 2.5)) == base  # another aligned pointer, another multiple of 16, another float
     assert spec((buf[1:], 32, 1.5)) != base  # 4-byte offset: not 16-byte aligned
@@ -114,14 +114,14 @@ def test_launch_specialization_tells_apart_what_specialization_does(args):
     a = call(*args)
     for other in others:
         b = call(*other)
-        slow = configs._specialization(a) == configs._specialization(b)
-        assert (configs._launch_specialization(a, 2) == configs._launch_specialization(b, 2)) == slow, other
+        slow = launcher._specialization(a) == launcher._specialization(b)
+        assert (launcher._launch_specialization(a, 2) == launcher._launch_specialization(b, 2)) == slow, other
 
 
 def test_launch_refuses_a_tensor_after_a_scalar():
     x = torch.zeros(10)
     with pytest.raises(TypeError, match="tensor arguments must all come before"):
-        configs._leading_tensors((x, 10, x))
+        launcher._leading_tensors((x, 10, x))
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=2)], key=["n"])
@@ -138,7 +138,7 @@ def _axpy(x, y, stride, alpha):
     n = y.numel()
     out = torch.full_like(y, float("nan"))
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-    configs.launch(_axpy_kernel, grid, (n,), (x, y, out, n, stride, alpha), {})
+    launcher.launch(_axpy_kernel, grid, (n,), (x, y, out, n, stride, alpha), {})
     return out
 
 
@@ -153,14 +153,14 @@ def test_direct_launches_match_tritons_launcher(monkeypatch, stride):
     y = torch.randn(n, device="cuda")
     ref = 0.75 * x[::stride] + y
     outs = [_axpy(x, y, stride, 0.75) for _ in range(3)]
-    code = configs._specialization((stride,))[0]  # the key's last field: (pointer codes, codes of n, stride, alpha)
-    hits = [v for k, v in configs._COMPILED.items() if k[0][0] == id(_axpy_kernel) and k[-1][1][1] == code]
+    code = launcher._specialization((stride,))[0]  # the key's last field: (pointer codes, codes of n, stride, alpha)
+    hits = [v for k, v in launcher._COMPILED.items() if k[0][0] == id(_axpy_kernel) and k[-1][1][1] == code]
     assert len(hits) == 1
-    if configs._static_ok():
+    if launcher._static_ok():
         assert hits[0][0] is None, "torch's launcher was not taken"
         assert hits[0][7] is None or stride == 1  # only an int Triton folded is left out of the cubin's arguments
     monkeypatch.setenv("FLASHDORA_STATIC_LAUNCH", "0")
-    configs._COMPILED.clear()
+    launcher._COMPILED.clear()
     outs += [_axpy(x, y, stride, 0.75) for _ in range(2)]
     for out in outs:
         assert not out.isnan().any()
