@@ -1,0 +1,224 @@
+"""``flashdora bench model`` on tiny CPU configs: result files, phases, rounds, quantized bases, dropout modes (no
+timing asserts)."""
+
+import os
+import statistics
+
+import pytest
+import torch
+import transformers
+
+import flashdora
+import flashdora.native
+from flashdora.bench import model
+from flashdora.cli import main
+from tests.bench_helpers import check_header, md_row, run_bench
+
+
+def test_model_files_and_schema(tmp_path):
+    result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
+    check_header(result, "model", tmp_path)
+    records = result["records"]
+    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_adapter")]  # (only when asked for)
+    assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
+    for r in records:
+        assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
+        assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["peak_extra_gib"] is None
+        assert r["warmup_s"] > 0  # the one warm-up step's wall time
+        assert 0 < r["first_ms"] <= r["warmup_s"] * 1e3  # the first step is the warm-up's
+    assert all(r["paths"] for r in records if r["mode"] == "flashdora")
+    assert result["config"]["num_hidden_layers"] == 2
+    assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
+
+
+def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):
+    order = []
+    measure = model.measure_mode
+
+    def logged(target, mode, *args):
+        order.append(mode)
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", logged)
+    argv = ["model", "--preset", "tiny", "--seq", "8", "--modes", "peft_lora", "flashdora", "--phases", "inference"]
+    result, files = run_bench(tmp_path, *argv, "--reps", "3", "--warmup", "0", "--rounds", "3")
+    assert order == ["peft_lora", "flashdora", "flashdora", "peft_lora", "peft_lora", "flashdora"]  # alternating
+    assert result["protocol"]["rounds"] == 3 and result["protocol"]["order"].startswith("alternating")
+    assert [r["mode"] for r in result["records"]] == ["peft_lora", "flashdora"]
+    for r in result["records"]:
+        assert len(r["times_ms"]) == 9 and len(r["round_ms"]) == 3, r
+        assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
+        assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 3
+        assert r["first_ms"] == r["round_first_ms"][0] and len(r["round_first_ms"]) == 3
+    assert "each round's median ms" in files[".md"].read_text()
+
+
+def test_model_rounds_refuse_compile():
+    with pytest.raises(SystemExit, match="--rounds > 1 with --compile"):
+        main(["bench", "model", "--preset", "tiny", "--rounds", "2", "--compile", "--device", "cpu"])
+
+
+def test_model_train_steps_the_optimizer(tmp_path, monkeypatch):
+    changed, grads_left = {}, {}
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        before = {n: p.detach().clone() for n, p in target.named_parameters() if p.requires_grad}
+        rows = measure(target, mode, *args)
+        after = dict(target.named_parameters())
+        changed[mode] = (len(before), sum(not torch.equal(after[n], w) for n, w in before.items()))
+        grads_left[mode] = sum(p.grad is not None for p in target.parameters())
+        return rows
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "train", "--reps", "2"]
+    result, files = run_bench(tmp_path, *argv, "--warmup", "1", "--modes", "base", "peft_lora", "flashdora")
+    records = {r["mode"]: r for r in result["records"]}
+    assert list(records) == ["base", "peft_lora", "flashdora"] and {r["phase"] for r in records.values()} == {"train"}
+    for r in records.values():
+        assert "error" not in r, r
+        assert r["ms"] > 0 and r["first_ms"] > 0 and len(r["times_ms"]) == 2
+    assert changed["base"] == (0, 0) and records["base"]["optimizer_params"] == 0  # nothing to step
+    for mode in ("peft_lora", "flashdora"):  # every trainable tensor (A, B, and DoRA's magnitude) was stepped
+        n_trainable, n_changed = changed[mode]
+        assert n_trainable == 2 * 7 * (3 if mode == "flashdora" else 2) and n_changed == n_trainable, mode
+        assert records[mode]["optimizer_params"] > 0
+    assert grads_left == {"base": 0, "peft_lora": 0, "flashdora": 0}  # zero_grad(set_to_none=True)
+    assert "train: torch.optim.AdamW" in result["protocol"]["optimizer"]
+    row = md_row(files[".md"].read_text(), "train", "flashdora")
+    assert row["vs peft_lora"] == f"{records['flashdora']['ms'] / records['peft_lora']['ms']:.2f}"
+    assert row["first ms"] == f"{records['flashdora']['first_ms']:.2f}"
+
+
+def test_model_decode_generates_new_tokens_with_the_cache(tmp_path, monkeypatch):
+    inputs = {}
+    measure = model.measure_mode
+
+    def watched(target, mode, *args):
+        emb = target.get_input_embeddings()
+        hook = emb.register_forward_hook(lambda mod, inp, out: inputs.setdefault(mode, []).append(inp[0].shape))
+        try:
+            return measure(target, mode, *args)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(model, "measure_mode", watched)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "decode", "--reps", "2"]
+    argv += ["--warmup", "0", "--prompt", "5", "--new-tokens", "3", "--modes", "peft_lora", "peft_dora", "flashdora"]
+    result, files = run_bench(tmp_path, *argv)
+    one_call = [(1, 5), (1, 1), (1, 1)]  # the prompt, then one token per forward: 3 new tokens, the KV cache on
+    assert inputs == {mode: one_call * 2 for mode in ("peft_lora", "peft_dora", "flashdora")}
+    for r in result["records"]:
+        assert "error" not in r, r
+        sizes = (r["phase"], r["batch"], r["seq"], r["prompt"], r["tokens"], r["new_tokens"])
+        assert sizes == ("decode", 1, 5, 5, 3, 3)
+        assert r["ms"] > 0 and r["first_ms"] > 0 and r["ms"] == pytest.approx(statistics.median(r["times_ms"]))
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["ms"])  # ms is per generated token
+    assert "3 new tokens" in result["protocol"]["decode"]
+    lora_ms = result["records"][0]["ms"]
+    row = md_row(files[".md"].read_text(), "decode", "flashdora")
+    assert row["tokens"] == "3" and row["vs peft_lora"] == f"{result['records'][2]['ms'] / lora_ms:.2f}"
+
+
+def test_model_decode_refuses_compile():
+    with pytest.raises(SystemExit, match="decode without it"):
+        main(["bench", "model", "--preset", "tiny", "--phases", "decode", "--compile", "--device", "cpu"])
+
+
+def test_model_config_file_layers_and_bias(tmp_path):
+    config = transformers.Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=3,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )  # Qwen2: q/k/v with bias
+    path = tmp_path / "cfg" / "small-qwen2.json"
+    path.parent.mkdir()
+    path.write_text(config.to_json_string())
+    out = tmp_path / "out"
+    argv = ["model", "--config", str(path), "--layers", "1", "--rank", "8", "--seq", "8", "--dtype", "bf16"]
+    result, _ = run_bench(out, *argv, "--modes", "peft_dora", "flashdora", "--reps", "1", "--warmup", "0")
+    assert result["config"]["model_type"] == "qwen2" and result["config"]["num_hidden_layers"] == 1
+    assert {r["preset"] for r in result["records"]} == {"small-qwen2-1l"}
+    assert [(r["mode"], r["phase"]) for r in result["records"]] == [
+        ("peft_dora", "inference"),
+        ("peft_dora", "grad"),
+        ("flashdora", "inference"),
+        ("flashdora", "grad"),
+    ]
+    assert all("error" not in r for r in result["records"])
+
+
+def test_model_quant_nf4_runs_qlora_qdora_and_flashdora(tmp_path, monkeypatch):
+    """``--quant nf4``: the base's projections become bitsandbytes 4-bit layers; flashdora runs them (no fallback)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    seen = []
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        quantized = [m for m in target.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        for m in quantized:
+            m.support_avx512bf16_for_cpu = False  # (see tests/test_qdora.py)
+        seen.append((mode, len(quantized)))
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    flashdora.reset_stats()
+    modes = ("--modes", "peft_lora", "peft_dora", "flashdora")
+    result, _ = run_bench(tmp_path, "model", "--preset", "tiny", "--quant", "nf4", "--phases", "inference", *modes,
+                          "--reps", "1", "--warmup", "1")  # fmt: skip
+    assert [mode for mode, _ in seen] == ["peft_lora", "peft_dora", "flashdora"]
+    assert all(n == 14 for _, n in seen)  # 2 layers x 7 projections
+    assert all(r["ms"] for r in result["records"])
+    assert not any(k.startswith("peft_fallback") for k in flashdora.stats())
+
+
+def test_model_quant_needs_bitsandbytes(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name))
+    with pytest.raises(SystemExit, match="--quant nf4 needs bitsandbytes"):
+        main(["bench", "model", "--preset", "tiny", "--quant", "nf4", "--device", "cpu"])
+
+
+def test_model_dropout_runs_both_modes(tmp_path, monkeypatch):
+    """``--dropout`` reaches every adapter, and ``flashdora_adapter`` runs ``enable(dropout="adapter")`` while
+    ``flashdora`` runs the exact function (the layers' mode as each row ran)."""
+    seen = {}
+    measure = model.measure_mode
+
+    def checked(target, mode, *args):
+        from flashdora.report import _rows
+
+        seen[mode] = {r[4] for r in _rows(target)}
+        return measure(target, mode, *args)
+
+    monkeypatch.setattr(model, "measure_mode", checked)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "grad", "--reps", "1"]
+    modes = ["peft_lora", "peft_dora", "flashdora", "flashdora_adapter"]
+    result, files = run_bench(tmp_path, *argv, "--warmup", "0", "--dropout", "0.1", "--modes", *modes)
+    assert [r["mode"] for r in result["records"]] == modes and all(r["ms"] > 0 for r in result["records"])
+    assert result["protocol"]["lora_dropout"] == 0.1
+    assert seen == {"peft_lora": set(), "peft_dora": {"p=0.1 exact"}, "flashdora": {"p=0.1 exact"},
+                    "flashdora_adapter": {"p=0.1 adapter"}}  # fmt: skip
+    assert "| flashdora_adapter |" in files[".md"].read_text()
+
+
+def test_native_off_restores_the_setting(monkeypatch):
+    """``flashdora_python``'s row runs with ``FLASHDORA_NATIVE=0`` and leaves the caller's setting as it was."""
+    for before in (None, "1"):
+        if before is None:
+            monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("FLASHDORA_NATIVE", before)
+        with model._native_off(True):
+            assert os.environ["FLASHDORA_NATIVE"] == "0"
+            assert not flashdora.native.enabled()
+        assert os.environ.get("FLASHDORA_NATIVE") == before
+        with model._native_off(False):
+            assert os.environ.get("FLASHDORA_NATIVE") == before
