@@ -113,7 +113,7 @@ def _wrapping(model) -> str:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2's public name
         FSDPModule = ()
-    sharded = sum(isinstance(m, FSDPModule) for m in model.modules()) if FSDPModule else 0
+    sharded = sum(isinstance(m, FSDPModule) for m in model.modules())  # (isinstance(m, ()) is False)
     if sharded:
         return f"FSDP2, {sharded} modules sharded"
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

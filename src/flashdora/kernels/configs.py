@@ -131,10 +131,8 @@ def sm_count(device) -> int:
 
 @functools.cache
 def _sm_count(index: int) -> int:
-
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _current_device() -> int:
-
     return torch.cuda.current_device()
