@@ -166,3 +166,29 @@ def test_direct_launches_match_tritons_launcher(monkeypatch, stride):
         assert not out.isnan().any()
         torch.testing.assert_close(out, ref)
         assert torch.equal(out, outs[-1])
+
+
+@triton.jit
+def _scale_kernel(p_x, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(p_x + offs, mask=mask)
+    tl.store(p_x + offs, (x.to(tl.float32) * FACTOR).to(p_x.dtype.element_ty), mask=mask)
+
+
+def test_launch_jit_keys_compiled_kernels_by_argument_dtype(device):
+    """A plain ``@triton.jit`` kernel through ``launch_jit``: Triton compiles one kernel per pointer dtype, so calls
+    with tensors of another dtype in turn must not reuse the first one's (on the GPU, the direct launch)."""
+    for _ in range(2):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.arange(10, dtype=torch.float32, device=device).to(dtype)
+            launcher.launch_jit(_scale_kernel, (1,), (x, 10), dict(FACTOR=3, BLOCK=16))
+            assert torch.equal(x.float(), torch.arange(10, dtype=torch.float32, device=device) * 3), dtype
+
+
+def test_launch_jit_refuses_a_missing_constexpr(device):
+    if not launcher.backend.private_apis():
+        pytest.skip("the plain launch")
+    x = torch.zeros(10, device=device)
+    with pytest.raises(TypeError, match=r"_scale_kernel needs \['BLOCK'\]"):
+        launcher.launch_jit(_scale_kernel, (1,), (x, 10), dict(FACTOR=3))

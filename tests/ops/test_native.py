@@ -8,22 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashdora import native
 from flashdora.ops import compose as C
 from flashdora.ops.norm import fresh
 from tests.helpers import backward_order
-
-
-@pytest.fixture(scope="module")
-def ext():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHDORA_NATIVE", "1")
-        native.reset()
-        mod = native.module()
-    native.reset()
-    if mod is None:
-        pytest.skip("the C++ extension cannot be built here (no compiler?)")
-    return mod
 
 
 def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):

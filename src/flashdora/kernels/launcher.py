@@ -68,9 +68,12 @@ def _leading_tensors(args: tuple) -> int:
 
 def _check_complete(kernel, args: tuple, flags: dict) -> None:
     """Every parameter after ``args`` must come from ``flags``, the tuned config or a heuristic: the direct launch
-    passes them by name and knows no signature defaults (checked on the first call of a key, on every machine)."""
-    fn = kernel.fn
-    given = {*flags, *kernel.configs[0].all_kwargs(), *getattr(fn, "values", {})}
+    passes them by name and knows no signature defaults (checked on the first call of a key, on every machine).
+    ``kernel``: an autotuned kernel, or a plain ``@triton.jit`` one (``launch_jit``)."""
+    configs = getattr(kernel, "configs", None)
+    fn = kernel.fn if configs else kernel
+    tuned = configs[0].all_kwargs() if configs else {}
+    given = {*flags, *tuned, *getattr(fn, "values", {})}
     missing = [name for name in fn.arg_names[len(args) :] if name not in given]
     if missing:
         inner = fn
@@ -130,7 +133,39 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     if INTERPRETED:
         kernel.fn[g](*args, **flags, **config)
         return
-    fn = kernel.fn
+    _run(kernel.fn, g, tuned_key, args, flags, config, n_tensors)
+
+
+def launch_jit(kernel, grid: tuple, args: tuple, flags: dict) -> None:
+    """``kernel[grid](*args, **flags)`` for a plain ``@triton.jit`` kernel (nothing to tune), as ``launch`` runs an
+    autotuned one: compiled through Triton's JIT at the first call of each (argument dtypes, device, flags,
+    specialization), then launched directly. The tensors' dtypes are part of the key here (Triton compiles a kernel
+    per pointer dtype), so a caller has nothing to get wrong; ``jit_plan`` gives the plan to ``flashdora.native``."""
+    if not backend.private_apis():
+        kernel[grid](*args, **flags)
+        return
+    checked = (id(kernel), *flags)
+    n_tensors = _JIT_TENSORS.get(checked)
+    if n_tensors is None:
+        _check_complete(kernel, args, flags)
+        n_tensors = _JIT_TENSORS[checked] = _JIT_TENSORS[id(kernel)] = _leading_tensors(args)
+    if INTERPRETED:
+        kernel[grid](*args, **flags)
+        return
+    _run(kernel, grid, _jit_key(kernel, args, n_tensors), args, flags, {}, n_tensors)
+
+
+# (id(kernel), flag names) checked complete -> how many leading tensor arguments the kernel takes; also by id(kernel)
+_JIT_TENSORS: dict = {}
+
+
+def _jit_key(kernel, args: tuple, n_tensors: int) -> tuple:
+    return id(kernel), tuple(a.dtype for a in args[:n_tensors])
+
+
+def _run(fn, g: tuple, tuned_key: tuple, args: tuple, flags: dict, config: dict, n_tensors: int) -> None:
+    """Launch ``fn`` (a ``JITFunction`` or ``Heuristics``) with ``config``: compiled through Triton's JIT at the first
+    call of each (key, device, flags, specialization), directly after that."""
     extra = ()
     if type(fn) is Heuristics:  # constexprs computed from the arguments (e.g. EVEN_K)
         named = {**dict(zip(fn.arg_names, args)), **flags, **config}
@@ -170,8 +205,21 @@ def direct_plan(kernel, key: tuple, args: tuple, flags: dict) -> tuple | None:
     if tuned is None or INTERPRETED or type(kernel.fn) is Heuristics or not backend.private_apis():
         return None
     config, n_tensors = tuned
+    return _plan((id(kernel), key), config, n_tensors, args, flags)
+
+
+def jit_plan(kernel, args: tuple, flags: dict) -> tuple | None:
+    """``direct_plan`` for a plain ``@triton.jit`` kernel that ``launch_jit`` has compiled for calls like this one
+    (its config: ``{}``)."""
+    n_tensors = _JIT_TENSORS.get(id(kernel))
+    if n_tensors is None or INTERPRETED or not backend.private_apis():
+        return None
+    return _plan(_jit_key(kernel, args, n_tensors), {}, n_tensors, args, flags)
+
+
+def _plan(tuned_key: tuple, config: dict, n_tensors: int, args: tuple, flags: dict) -> tuple | None:
     spec = _launch_specialization(args, n_tensors)
-    hit = _COMPILED.get(((id(kernel), key), args[0].get_device(), tuple(flags.values()), (), spec))
+    hit = _COMPILED.get((tuned_key, args[0].get_device(), tuple(flags.values()), (), spec))
     if hit is None or hit[0] is not None:
         return None
     _, _, function, warps, shared, types, _, keep = hit[:8]

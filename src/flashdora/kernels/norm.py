@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdora.kernels import configs, launcher
+from flashdora.kernels import configs, launcher, norm_gemm
 from flashdora.kernels.norm_gemm import _gram_term, norm_half, weight_sq
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -206,11 +206,17 @@ def _finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, tor
     else:
         both = torch.empty((4, d_out), dtype=torch.float32, device=part.device) if out is None else out
         norm, scales = both[0], both[1:]
-    block = 1024 if not configs.INTERPRETED else 64
     m = magnitude.detach().contiguous()
-    grid = (triton.cdiv(d_out, block),)
-    _scales_kernel[grid](part, m, norm, scales, n_part, d_out, scales.stride(0), FROM_SQ=from_sq, BLOCK=block)
+    args = (part, m, norm, scales, n_part, d_out, scales.stride(0))
+    launcher.launch_jit(_scales_kernel, (triton.cdiv(d_out, _SCALES_BLOCK),), args, _scales_flags(from_sq))
     return norm, scales
+
+
+_SCALES_BLOCK = 1024 if not configs.INTERPRETED else 64
+
+
+def _scales_flags(from_sq: bool) -> dict:
+    return dict(FROM_SQ=from_sq, BLOCK=_SCALES_BLOCK)
 
 
 def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=None):
@@ -227,3 +233,34 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
 def scales_from_norm(magnitude, norm) -> torch.Tensor:
     """``ops.norm.scales(magnitude, norm)`` (float32) in one launch."""
     return _finish(norm.detach().float().reshape(1, -1).contiguous(), magnitude, from_sq=False)[1]
+
+
+def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
+    """What ``flashdora.native``'s ``norm_scales`` needs to compute ``norm_and_scales`` for a layer like this one
+    (16-bit ``weight``, one chunk of ``norm_gemm``: the path it takes in C++, the same launches in the same order):
+    ``(transposed, BLOCK_J, epilogue's BLOCK_M, its CUfunction, warps, shared, types, kept arguments, then the scales
+    kernel's CUfunction, warps, shared, types, kept arguments)``. ``None`` for other layers, and until a Python-path
+    call has compiled both kernels and timed the cross term's layout."""
+    d_out, d_in = weight.shape
+    r = lora_A.shape[0]
+    if weight.dtype not in _HALF or d_out > norm_gemm._CHUNK_ELEMENTS // r:
+        return None
+    transposed = norm_gemm._TRANSPOSED.get((d_out, d_in, r, weight.dtype, weight.device))
+    if transposed is None:
+        return None
+    block_j = configs.norm_block_r(r)
+    f32 = weight.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
+    stride_cm, stride_cj = (1, d_out) if transposed else (r, 1)  # C = W a^T as [r, d_out] or [d_out, r]
+    epilogue = launcher.direct_plan(
+        norm_gemm._epilogue_kernel, (r, lora_B.dtype),
+        (f32, lora_B, f32, f32, f32, d_out, r, 1.0, 1.0, stride_cm, stride_cj, lora_B.stride(0), lora_B.stride(1),
+         d_out),
+        dict(BLOCK_J=block_j),
+    )  # fmt: skip
+    n_part = triton.cdiv(r, block_j)
+    m = weight.new_empty(1, dtype=magnitude.dtype)
+    scales = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_part, d_out, d_out), _scales_flags(True))
+    if epilogue is None or scales is None:
+        return None
+    config, *epilogue_launch = epilogue
+    return (transposed, block_j, config["BLOCK_M"], *epilogue_launch, *scales[1:])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdora import _checks, backend
+from flashdora import _checks, backend, native
 
 # Default transient budget of the eager path: 16 Mi fp32 elements (64 MiB) per chunk.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -150,6 +150,28 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -
         from flashdora.kernels.norm import norm_and_scales
 
         backend.count("norm:triton")
-        return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
+        mod = _native_module(weight) if w_sq is not None else None
+        if mod is None:
+            return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
+        got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling))
+        if got is not None and got is not False:
+            backend.count("norm:native")
+            return got
+        out = norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
+        if got is False:  # no plan for layers like this one yet: the Python path has just compiled what it needs
+            from flashdora.kernels.norm import native_plan
+
+            plan = native_plan(weight, lora_A, lora_B, magnitude)
+            if plan is not None:
+                mod.register_norm(weight, lora_A, lora_B, magnitude, *plan)
+        return out
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
     return norm, scales(magnitude, norm)
+
+
+def _native_module(weight):
+    """``flashdora.native``'s extension for a cache miss on ``weight`` (its ``norm_scales``: the same launches as
+    ``norm_and_scales`` from C++, a fraction of the host time), or ``None``: CPU, switched off, still building."""
+    if not weight.is_cuda or not native.enabled():
+        return None
+    return native.module(wait=False)
