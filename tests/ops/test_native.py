@@ -144,8 +144,13 @@ def _cpp_forward_calls(monkeypatch) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "train"])
-@pytest.mark.parametrize(("adapter_dtype", "with_bias"), [(torch.float32, False), (torch.bfloat16, True)])
-def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, adapter_dtype, with_bias):
+@pytest.mark.parametrize(
+    ("adapter_dtype", "with_bias", "dropout"),
+    [(torch.float32, False, False), (torch.bfloat16, True, False), (torch.float32, False, True)],
+    ids=["fp32-adapters", "bf16-bias", "fp32-adapters-lx_base"],
+)
+def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, adapter_dtype, with_bias, dropout):
+    """Also with dropout's exact form (``lx_base``, no bias: as PEFT calls it)."""
     t, d_in, d_out, r, scaling = 37, 96, 1000, 16, 0.5
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, adapter_dtype, t, d_in, d_out, r)
     bias = torch.randn(d_out, device="cuda", dtype=torch.bfloat16) if with_bias else None
@@ -154,11 +159,16 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
     autocast = adapter_dtype == torch.float32  # fp32 adapters under autocast; bf16 ones without
+    mask = (torch.rand_like(x) > 0.1).to(x.dtype) / 0.9
 
     def run():
         with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             result = F.linear(x, w, bias)
-            y = C.compose_eager(result, x, lora_A, lora_B, mag, scales, scaling, bias)
+            if dropout:
+                lx = x * mask
+                y = C.compose_eager(result, lx, lora_A, lora_B, mag, scales, scaling, lx_base=F.linear(lx, w))
+            else:
+                y = C.compose_eager(result, x, lora_A, lora_B, mag, scales, scaling, bias)
         torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
         grads = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy) if grad else ()
         return y.detach(), grads, y.grad_fn.name() if grad else None
@@ -191,6 +201,10 @@ def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_pla
         assert ext.forward(result.cpu(), x.cpu(), lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # not CUDA
     with torch.enable_grad():  # grad on, a frozen magnitude: the Python autograd.Function's case
         assert ext.forward(result, x, lora_A, lora_B, mag.detach(), scales, None, 1.0, -1) is None
+    bias = torch.zeros(48, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():  # dropout's lx_base: never beside a bias (PEFT passes none), only contiguous rows
+        assert ext.forward(result, x, lora_A, lora_B, mag, scales, bias, 1.0, -1, result.clone()) is None
+        assert ext.forward(result, x, lora_A, lora_B, mag, scales, None, 1.0, -1, result.mT.contiguous().mT) is None
     # A shape whose plans never come (never filed here): declined for good after a bounded number of misses.
     odd = torch.randn(3, 17, 48, device="cuda", dtype=torch.bfloat16)
     lx = x.new_empty(3, 17, 32)

@@ -274,19 +274,19 @@ constexpr int kMaxMisses = 64;  // a forward key still without a plan after this
 // specialization depend on (all pointers 16-byte aligned: `forward` checks; `a` is a fresh [T, r] tensor).
 std::vector<int64_t> fwd_key(const at::Tensor& result, int64_t r, c10::ScalarType a_type, c10::ScalarType b_type,
                              int64_t b_stride, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
-                             bool save_inner) {
+                             bool save_inner, const std::optional<at::Tensor>& lx_base) {
   const int64_t n = result.size(-1), t = result.numel() / n;
   return {0, result.get_device(), n, r, static_cast<int64_t>(result.scalar_type()), static_cast<int64_t>(a_type),
           static_cast<int64_t>(b_type), bias ? static_cast<int64_t>(bias->scalar_type()) : -1,
-          static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0))};
+          static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0)),
+          lx_base ? static_cast<int64_t>(lx_base->scalar_type()) : -1};
 }
 
-// The backward kernel's plan (its token split depends on T itself).
-// (Only the forward here looks plans up, and it never takes dropout's lx_base: `attach` gets that plan directly.)
-std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales) {
+// The backward kernel's plan (its token split depends on T itself; dropout's lx_base adds an output).
+std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales, bool has_lx_base) {
   const int64_t n = result.size(-1);
   return {1, result.get_device(), result.numel() / n, n, static_cast<int64_t>(result.scalar_type()),
-          static_cast<int64_t>(scales.scalar_type()), scales.stride(0)};
+          static_cast<int64_t>(scales.scalar_type()), scales.stride(0), has_lx_base};
 }
 
 enum class Found { plan, missing, given_up };
@@ -301,13 +301,18 @@ Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
 
 constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
 
-// ops/compose.py's compose_eager on the Triton path without dropout's lx_base: y, or None where this call is not
-// one it takes (the Python path runs), or False where it has no forward plan for it yet (the Python path runs and
-// files it). The checks come before any work: a call it declines has launched nothing.
+// ops/compose.py's compose_eager on the Triton path: y, or None where this call is not one it takes (the Python
+// path runs), or False where it has no forward plan for it yet (the Python path runs and files it). `lx_base`:
+// dropout's exact form (`x` is then the dropout-applied input), which PEFT calls without a bias. The checks come
+// before any work: a call it declines has launched nothing.
 py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
-                   double scaling, int64_t seq) {
+                   double scaling, int64_t seq, const std::optional<at::Tensor>& lx_base) {
   if (!result.is_cuda() || result.dim() < 1 || !result.is_contiguous() || result.numel() == 0) return py::none();
+  if (lx_base && (bias || !lx_base->is_cuda() || lx_base->sizes() != result.sizes() || !lx_base->is_contiguous() ||
+                  lx_base->scalar_type() == at::kDouble || !aligned(*lx_base))) {
+    return py::none();
+  }
   const int64_t n = result.size(-1), t = result.numel() / n, r = lora_A.size(0);
   const bool grad = at::GradMode::is_enabled();
   const bool train = grad && magnitude.requires_grad();
@@ -328,7 +333,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   }
   const Plan* fwd = nullptr;
   switch (find_plan(fwd_key(result, r, cd, cast_b ? cd : lora_B.scalar_type(), cast_b ? r : lora_B.stride(0), scales,
-                            bias, train),
+                            bias, train, lx_base),
                     &fwd)) {
     case Found::given_up: return py::none();
     case Found::missing: return py::bool_(false);
@@ -339,7 +344,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   // that backward files the plan (ops/compose.py `_compose_native`). No miss is counted.
   const Plan* bwd = nullptr;
   if (train) {
-    auto it = plans().find(bwd_key(result, scales));
+    auto it = plans().find(bwd_key(result, scales, lx_base.has_value()));
     if (it == plans().end()) return py::none();
     bwd = &it->second;
   }
@@ -360,12 +365,13 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
   std::vector<Arg> args = {
-      ptr(result), ptr(a), ptr(b), ptr(result), bias ? ptr(bias_c) : ptr(scales), ptr(scales), ptr(y), ptr(inner),
+      ptr(result), ptr(a), ptr(b), lx_base ? ptr(*lx_base) : ptr(result), bias ? ptr(bias_c) : ptr(scales),
+      ptr(scales), ptr(y), ptr(inner),
       integer(t), integer(n), integer(r), Arg{'f', nullptr, 0, scaling},
       integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
   };
   launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
-  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd);
+  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd, lx_base);
   return py::cast(y);
 }
 
@@ -373,18 +379,20 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
 // width; `b`: lora_B as the kernel reads it).
 void register_forward(const at::Tensor& result, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scales,
                       const std::optional<at::Tensor>& bias, bool save_inner, int64_t function, int64_t warps,
-                      int64_t shared, int64_t block_m, int64_t block_n, std::string types, std::vector<int64_t> keep) {
+                      int64_t shared, int64_t block_m, int64_t block_n, std::string types, std::vector<int64_t> keep,
+                      const std::optional<at::Tensor>& lx_base) {
   TORCH_CHECK(function != 0, "flashdora.native: register_forward needs a loaded kernel");
-  plans()[fwd_key(result, a.size(-1), a.scalar_type(), b.scalar_type(), b.stride(0), scales, bias, save_inner)] =
+  plans()[fwd_key(result, a.size(-1), a.scalar_type(), b.scalar_type(), b.stride(0), scales, bias, save_inner,
+                  lx_base)] =
       Plan{function, warps, shared, block_m, block_n, 1, std::move(types), std::move(keep)};
 }
 
 // File the backward kernel's plan for gradients shaped and typed like `result`.
 void register_backward(const at::Tensor& result, const at::Tensor& scales, int64_t function, int64_t warps,
                        int64_t shared, int64_t block_n, int64_t n_split, int64_t rows, std::string types,
-                       std::vector<int64_t> keep) {
+                       std::vector<int64_t> keep, bool has_lx_base) {
   TORCH_CHECK(function != 0, "flashdora.native: register_backward needs a loaded kernel");
-  plans()[bwd_key(result, scales)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
+  plans()[bwd_key(result, scales, has_lx_base)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
                                           std::move(keep)};
 }
 
@@ -525,9 +533,17 @@ void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "the compose's forward on the Triton path: y, None (not taken) or False (no plan yet)");
-  m.def("register_forward", &register_forward, "file the forward kernel's launch plan for calls like this one");
-  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these");
+  m.def("forward", &forward, "the compose's forward on the Triton path: y, None (not taken) or False (no plan yet)",
+        py::arg("result"), py::arg("x"), py::arg("lora_A"), py::arg("lora_B"), py::arg("magnitude"),
+        py::arg("scales"), py::arg("bias"), py::arg("scaling"), py::arg("seq"), py::arg("lx_base") = py::none());
+  m.def("register_forward", &register_forward, "file the forward kernel's launch plan for calls like this one",
+        py::arg("result"), py::arg("a"), py::arg("b"), py::arg("scales"), py::arg("bias"), py::arg("save_inner"),
+        py::arg("function"), py::arg("warps"), py::arg("shared"), py::arg("block_m"), py::arg("block_n"),
+        py::arg("types"), py::arg("keep"), py::arg("lx_base") = py::none());
+  m.def("register_backward", &register_backward, "file the backward kernel's launch plan for gradients like these",
+        py::arg("result"), py::arg("scales"), py::arg("function"), py::arg("warps"), py::arg("shared"),
+        py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
+        py::arg("has_lx_base") = false);
   m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
         py::arg("scales"), py::arg("scaling"), py::arg("function"), py::arg("warps"), py::arg("shared"),

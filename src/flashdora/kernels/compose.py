@@ -270,12 +270,12 @@ def _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner):
     return t, n, y, inner, (key, args, flags)
 
 
-def fwd_plan(result, a, lora_B, scales, scaling, bias, save_inner) -> tuple | None:
-    """How ``flashdora.native``'s forward launches ``compose_fwd_fused`` for a call like this one (no ``lx_base``):
+def fwd_plan(result, a, lora_B, scales, scaling, bias, save_inner, lx_base=None) -> tuple | None:
+    """How ``flashdora.native``'s forward launches ``compose_fwd_fused`` for a call like this one:
     ``(CUfunction, warps, shared bytes, BLOCK_M, BLOCK_N, parameter types, kept arguments)``, or ``None`` until
     ``compose_fwd_fused`` has tuned and compiled that kernel. ``a`` may be a stand-in of the LoRA A output's dtype and
     width (the plan depends on its alignment, never its values)."""
-    t, n, _, _, (key, args, flags) = _fused_call(result, a, lora_B, scales, scaling, bias, None, save_inner)
+    t, n, _, _, (key, args, flags) = _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner)
     plan = launcher.direct_plan(_compose_fused_fwd_kernel, key, args, flags) if t > 0 and n > 0 else None
     if plan is None:
         return None

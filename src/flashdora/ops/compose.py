@@ -243,14 +243,14 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
 def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1) -> Tensor:
     """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check).
 
-    On the Triton path a call without ``lx_base`` runs in ``flashdora.native``'s C++ forward once that holds the
-    launch plans of its kernels; the call that finds none runs the Python path below and files them. ``seq``: see
-    ``after_base``."""
+    On the Triton path a call runs in ``flashdora.native``'s C++ forward once that holds the launch plans of its
+    kernels (dropout's ``lx_base`` with no bias, as PEFT calls it); the call that finds none runs the Python path
+    below and files them. ``seq``: see ``after_base``."""
     unplanned = False
-    if lx_base is None and result.is_cuda and native.enabled() and backend.use_triton(result):
+    if (lx_base is None or bias is None) and result.is_cuda and native.enabled() and backend.use_triton(result):
         mod = _native if _native is not None else _load_native()
         if mod is not False and not (torch.is_grad_enabled() and backend.functorch_active()):
-            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq)
+            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
             if y is not None and y is not False:
                 backend.count("triton")
                 if torch.is_grad_enabled():
@@ -259,7 +259,7 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
             unplanned = y is False
     y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if unplanned:
-        _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias)
+        _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
     return y
 
 
@@ -314,7 +314,7 @@ def _load_native():
     return mod or False
 
 
-def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias) -> None:
+def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base=None) -> None:
     """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (in
     training, saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The
     backward kernel's plan is filed by ``_compose_native``, the first forward after that kernel compiled."""
@@ -327,9 +327,9 @@ def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias) -> Non
     a = result.new_empty((result.numel() // n, lora_A.shape[0]), dtype=cd)
     with torch.no_grad():
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
-    plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train)
+    plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train, lx_base)
     if plan is not None:
-        _native.register_forward(result, a, b, scales, bias, train, *plan)
+        _native.register_forward(result, a, b, scales, bias, train, *plan, lx_base=lx_base)
 
 
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base=None):
@@ -350,8 +350,7 @@ def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_
     plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
     if plan is None:
         return None
-    if not has_lx:
-        _native.register_backward(result, scales, *plan)  # (the C++ forward takes the next such call)
+    _native.register_backward(result, scales, *plan, has_lx_base=has_lx)  # (the C++ forward takes the next call)
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
