@@ -251,6 +251,10 @@ def worker(opts: dict) -> None:
             torch.cuda.synchronize()
 
     model = _build(opts, device)
+    if cuda and opts["mode"] == "flashdora":
+        from flashdora import native
+
+        native.module(wait=True)  # loaded before the steps (the parent process built it), as in the model bench
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.get("lr", 1e-5))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(opts["seed"] + rank)
