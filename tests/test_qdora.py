@@ -147,3 +147,23 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(calls) == n_layers  # once per layer, not once per step
     assert set(shapes) == {torch.bfloat16}
+
+
+def test_qdora_in_place_write_to_the_packed_weight_is_seen():
+    """flashdora reads a packed weight's key through a plain alias (``detach``: Params4bit's ``__torch_function__`` is
+    slow); an in-place write into the packed parameter must still move that key, so the norm is recomputed."""
+    model = _model()
+    flashdora.enable(model)
+    model.eval()
+    ids = _ids()
+    with torch.no_grad():
+        model(input_ids=ids)  # fills the cache
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        packed = layer.base_layer.weight
+        packed.copy_(packed.flip(0))  # other rows: another W (and its norm) under the same parameter
+        got = model(input_ids=ids).logits
+    reference = copy.deepcopy(model)
+    flashdora.disable(reference)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    assert rel_err(got, want) < 1e-5

@@ -52,6 +52,9 @@ def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kw
     return peft_forward(module, active_adapter, x, result, **kwargs)
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, **kwargs):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
 
@@ -63,6 +66,12 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     mods = module._modules
     base = _base_layer(module)
     weight = _param(base, "weight")
+    if type(weight) not in _PLAIN and getattr(weight, "_flashdora_shard", None) is None:
+        # A parameter subclass with its own __torch_function__ (bitsandbytes' Params4bit and Int8Params): every read of
+        # an attribute (the norm cache's key takes eight) runs it. detach() is the same storage, address and version
+        # counter as a plain tensor: the same key, read at a plain tensor's cost. (FSDP2's tagged parameters keep
+        # theirs: the tag lives on the parameter.)
+        weight = weight.detach()
     lora_A = _param(mods["lora_A"]._modules[active_adapter], "weight")
     lora_B_layer = mods["lora_B"]._modules[active_adapter]
     lora_B = _param(lora_B_layer, "weight")
