@@ -7,9 +7,9 @@ hangs the backward node on the output. The Python path's backward is otherwise a
 model's backward it runs on the autograd engine's device thread, between the C++ nodes of everything else, and there
 its Python cost per layer is several times what the same code costs in a loop (docs/history.md). The node does
 the same work in C++: it launches the compose-backward kernel (plan from ``kernels.compose.bwd_plan``), then the
-magnitude gradient's second stage and the two LoRA GEMMs. A call the C++
-forward has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files
-the plans.
+magnitude gradient's second stage and the two LoRA GEMMs. A norm cache miss (once per layer and optimizer step in
+training) runs in C++ too (``norm_scales``: the launches of ``kernels.norm.norm_and_scales``). A call the C++ side
+has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files the plans.
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
 no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) into torch's extension cache, once per
