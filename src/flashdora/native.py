@@ -33,7 +33,8 @@ import torch
 
 from flashdora import backend
 
-_SOURCE = Path(__file__).parent / "csrc" / "compose.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp"]  # (and csrc/launch.h, which both include)
 _module = None
 _state = "idle"  # idle -> building -> ready | failed
 _thread: threading.Thread | None = None
@@ -103,7 +104,7 @@ def _load():
 
     # A build is tied to its torch's ABI and to its source: the hash keeps a cached build of other source (an older
     # flashdora, whose installed file may be older than that build, which ninja's timestamps alone would keep) apart.
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _CSRC / "launch.h"))).hexdigest()[:10]
     name = f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
     print(
         f"flashdora: loading its C++ compose ({name}; built once per machine, torch version and flashdora source, "
@@ -111,7 +112,7 @@ def _load():
         file=sys.stderr,
     )
     try:
-        return load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O2"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path still works
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         backend.warn_once(

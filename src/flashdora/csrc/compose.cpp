@@ -22,9 +22,8 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
-#include <dlfcn.h>
+#include "launch.h"
 
-#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -32,86 +31,16 @@
 #include <utility>
 #include <vector>
 
+namespace flashdora_native {
+void add_norm(pybind11::module_& m);  // norm.cpp
+}  // namespace flashdora_native
+
 namespace {
 
+using namespace flashdora_native;
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
-
-// cuLaunchKernel, from the driver torch has loaded (no link against CUDA: this file builds against any torch).
-using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
-                         void**);
-
-LaunchFn launch_fn() {
-  static LaunchFn fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    return lib == nullptr ? nullptr : reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
-  }();
-  return fn;
-}
-
-// One compiled Triton kernel and its tuned blocks: what Triton's launcher would pass it, decided in Python
-// (kernels/compose.py: fwd_plan, bwd_plan).
-struct Plan {
-  int64_t function = 0;     // CUfunction
-  int64_t warps = 4;
-  int64_t shared = 0;       // dynamic shared memory, bytes
-  int64_t block_m = 0;      // forward: the tuned BLOCK_M (grid x = cdiv(T, BLOCK_M)); backward: tokens per program
-  int64_t block_n = 0;      // the tuned BLOCK_N (grid y = cdiv(N, BLOCK_N))
-  int64_t n_split = 1;      // backward: grid x, token ranges, each one partial sum row of dm
-  std::string types;        // per kernel parameter passed: 'O' pointer, 'i' i32, 'l' i64, 'f' f32 (then padding)
-  std::vector<int64_t> keep;  // which arguments are parameters (the rest Triton folded into constants)
-  int64_t misses = 0;       // a placeholder (function 0): calls that found no plan under its key
-};
-
-// A kernel argument before packing: a pointer, an integer or a float.
-struct Arg {
-  char kind;
-  void* ptr;
-  int64_t i;
-  double f;
-};
-
-// The current stream of `device` (the autograd engine sets it to the forward's for this node), as a cudaStream_t.
-void* current_stream(const c10::Device& device) {
-  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle();
-}
-
-void launch(const Plan& plan, const std::vector<Arg>& args, int64_t grid_x, int64_t grid_y, void* stream) {
-  LaunchFn fn = launch_fn();
-  TORCH_CHECK(fn != nullptr, "flashdora.native: cuLaunchKernel not found in libcuda.so.1");
-  std::vector<uint64_t> storage(plan.types.size(), 0);  // 8 bytes per parameter, written in its own type
-  std::vector<void*> params(plan.types.size(), nullptr);
-  for (size_t k = 0; k < plan.types.size(); ++k) {
-    void* slot = &storage[k];
-    params[k] = slot;
-    char ty = plan.types[k];
-    if (k >= plan.keep.size()) {  // padding: a null pointer per scratch parameter newer Triton adds
-      continue;
-    }
-    const Arg& a = args.at(static_cast<size_t>(plan.keep[k]));
-    if (ty == 'O') {
-      void* p = a.ptr;
-      std::memcpy(slot, &p, sizeof(p));
-    } else if (ty == 'i') {
-      int32_t v = static_cast<int32_t>(a.i);
-      std::memcpy(slot, &v, sizeof(v));
-    } else if (ty == 'l') {
-      int64_t v = a.i;
-      std::memcpy(slot, &v, sizeof(v));
-    } else if (ty == 'f') {
-      float v = static_cast<float>(a.kind == 'f' ? a.f : static_cast<double>(a.i));
-      std::memcpy(slot, &v, sizeof(v));
-    } else {
-      TORCH_CHECK(false, "flashdora.native: unsupported kernel parameter type " + std::string(1, ty));
-    }
-  }
-  int rc = fn(reinterpret_cast<void*>(plan.function), static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), 1,
-              static_cast<unsigned>(32 * plan.warps), 1, 1, static_cast<unsigned>(plan.shared),
-              stream, params.data(), nullptr);
-  TORCH_CHECK(rc == 0, "flashdora.native: cuLaunchKernel failed with CUresult " + std::to_string(rc));
-}
 
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>
@@ -123,13 +52,6 @@ auto make_node() {
     return c10::make_intrusive<T>();
   }
 }
-
-bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
-
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-Arg ptr(const at::Tensor& t) { return Arg{'O', t.data_ptr(), 0, 0.0}; }
-Arg integer(int64_t v) { return Arg{'i', nullptr, v, 0.0}; }
 
 // d_result, d_a, d_lora_B, d_magnitude (and d_lx_base) of `y = compose(result, a, lora_B, magnitude[, lx_base])`.
 // Without lx_base: y = g (result - bias + s a B^T) + bias, d_result = g dy, s on the LoRA GEMMs' alpha. With
@@ -259,16 +181,12 @@ void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const a
 
 // ---- The forward, and the launch plans it finds by key ----
 
-// What Triton specializes a compiled kernel on for an integer argument (kernels/configs.py `_specialization`).
-int64_t spec(int64_t v) { return ((v & 15) == 0) + 2 * (v == 1) + 4 * (v >= INT32_MIN && v <= INT32_MAX); }
-
 // Every plan Python has filed, by key; a forward key seen without a plan holds a placeholder that counts misses.
 std::map<std::vector<int64_t>, Plan>& plans() {
   static auto* table = new std::map<std::vector<int64_t>, Plan>();  // (never freed: used until the process ends)
   return *table;
 }
 
-constexpr int kMaxMisses = 64;  // a forward key still without a plan after this many calls: left to the Python path
 
 // The forward kernel compiled for a call: everything the autotuner's key, the constexpr flags and Triton's
 // specialization depend on (all pointers 16-byte aligned: `forward` checks; `a` is a fresh [T, r] tensor).
@@ -396,104 +314,6 @@ void register_backward(const at::Tensor& result, const at::Tensor& scales, int64
                                           std::move(keep)};
 }
 
-// ---- The norm and the scales of a layer's cache miss (kernels/norm.py `norm_and_scales`) ----
-//
-// A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
-// its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
-// launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's dtype,
-// G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue kernel,
-// then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
-
-struct NormPlan {
-  bool transposed = false;  // C as [r, d_out] (a W^T) rather than [d_out, r]
-  int64_t block_j = 0;      // the epilogue's r-slice (grid y)
-  int64_t block_m = 0;      // its tuned BLOCK_M (grid x)
-  Plan epilogue, scales;
-  int64_t misses = 0;       // calls that found no plan (function 0)
-};
-
-std::map<std::vector<int64_t>, NormPlan>& norm_plans() {
-  static auto* table = new std::map<std::vector<int64_t>, NormPlan>();  // (never freed, as `plans`)
-  return *table;
-}
-
-// Everything the two kernels' compiled forms and launch grids depend on, besides pointer alignment (checked).
-std::vector<int64_t> norm_key(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                              const at::Tensor& magnitude) {
-  return {weight.get_device(), weight.size(0), weight.size(1), lora_A.size(0),
-          static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(lora_A.scalar_type()),
-          static_cast<int64_t>(lora_B.scalar_type()), static_cast<int64_t>(magnitude.scalar_type()),
-          lora_B.stride(0), lora_B.stride(1)};
-}
-
-constexpr int64_t kChunkElements = 16 * 1024 * 1024;  // kernels/norm_gemm.py _CHUNK_ELEMENTS
-constexpr int64_t kScalesBlock = 1024;                // kernels/norm.py _SCALES_BLOCK
-
-// (norm, scales) as kernels/norm.py `norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)`
-// returns them; None where this is not a call it takes; False where it has no plan for it yet (the Python path
-// runs, then files one). The checks come before any work.
-py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                       const at::Tensor& magnitude, const at::Tensor& w_sq, double scaling) {
-  if (!weight.is_cuda() || weight.dim() != 2 || lora_A.dim() != 2 || lora_B.dim() != 2 || magnitude.dim() != 1) {
-    return py::none();
-  }
-  const auto wt = weight.scalar_type();
-  if (wt != at::kHalf && wt != at::kBFloat16) return py::none();
-  const int64_t d_out = weight.size(0), d_in = weight.size(1), r = lora_A.size(0);
-  if (d_out == 0 || d_in == 0 || r == 0 || d_out > kChunkElements / r || d_out % 4 != 0) return py::none();
-  for (const at::Tensor* p : {&lora_A, &lora_B, &magnitude}) {
-    if (p->scalar_type() == at::kDouble) return py::none();
-  }
-  if (w_sq.scalar_type() != at::kFloat || w_sq.dim() != 1 || w_sq.stride(0) != 1 || !aligned(w_sq) ||
-      !aligned(lora_B)) {
-    return py::none();
-  }
-  at::Tensor m = magnitude.contiguous();
-  if (!aligned(m)) return py::none();
-  NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
-  if (plan.epilogue.function == 0) {
-    if (++plan.misses > kMaxMisses) return py::none();
-    return py::bool_(false);
-  }
-
-  at::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // explicit dtypes throughout
-  void* stream = current_stream(weight.device());
-  const at::Tensor a = lora_A.to(wt);
-  const at::Tensor g = at::mm(a, a.t(), at::kFloat);
-  const at::Tensor c = plan.transposed ? at::mm(a, weight.t(), at::kFloat) : at::mm(weight, a.t(), at::kFloat);
-  const int64_t stride_cm = plan.transposed ? 1 : c.stride(0), stride_cj = plan.transposed ? c.stride(0) : 1;
-  const int64_t n_part = cdiv(r, plan.block_j);
-  at::Tensor part = at::empty({n_part, d_out}, w_sq.options());
-  launch(plan.epilogue,
-         {ptr(c), ptr(lora_B), ptr(g), ptr(w_sq), ptr(part), integer(d_out), integer(r),
-          Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling}, integer(stride_cm),
-          integer(stride_cj), integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(part.stride(0))},
-         cdiv(d_out, plan.block_m), cdiv(r, plan.block_j), stream);
-  at::Tensor both = at::empty({4, d_out}, w_sq.options());
-  at::Tensor norm = both.select(0, 0), scales = both.narrow(0, 1, 3);
-  launch(plan.scales,
-         {ptr(part), ptr(m), ptr(norm), ptr(scales), integer(n_part), integer(d_out), integer(scales.stride(0))},
-         cdiv(d_out, kScalesBlock), 1, stream);
-  return py::make_tuple(norm, scales);
-}
-
-// File the plan of `norm_scales` for layers like this one (kernels/norm.py `native_plan`).
-void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                   const at::Tensor& magnitude, bool transposed, int64_t block_j, int64_t block_m,
-                   int64_t e_function, int64_t e_warps, int64_t e_shared, std::string e_types,
-                   std::vector<int64_t> e_keep, int64_t s_function, int64_t s_warps, int64_t s_shared,
-                   std::string s_types, std::vector<int64_t> s_keep) {
-  TORCH_CHECK(e_function != 0 && s_function != 0, "flashdora.native: register_norm needs loaded kernels");
-  TORCH_CHECK(block_j > 0 && block_m > 0, "flashdora.native: register_norm needs positive blocks");
-  NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
-  plan.transposed = transposed;
-  plan.block_j = block_j;
-  plan.block_m = block_m;
-  plan.epilogue = Plan{e_function, e_warps, e_shared, 0, 0, 1, std::move(e_types), std::move(e_keep)};
-  plan.scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
-}
-
 // The same node's math in ATen, no kernel: a CPU test of the node's wiring (flashdora.native's tests).
 struct EagerComposeBackward : public ComposeBackward {
   variable_list apply(variable_list&& grads) override {
@@ -549,9 +369,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("scaling"), py::arg("function"), py::arg("warps"), py::arg("shared"),
         py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
         py::arg("lx_base") = py::none());
-  m.def("norm_scales", &norm_scales,
-        "a norm cache miss's (norm, scales) on the Triton path: a tuple, None (not taken) or False (no plan yet)");
-  m.def("register_norm", &register_norm, "file norm_scales' launch plans for layers like this one");
+  flashdora_native::add_norm(m);
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
         py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none());

@@ -1,0 +1,123 @@
+// A norm cache miss on the Triton path, in C++ (flashdora.native's `norm_scales`; kernels/norm.py
+// `norm_and_scales`).
+//
+// A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
+// its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
+// launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's dtype,
+// G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue kernel,
+// then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
+
+#include <torch/extension.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "launch.h"
+
+namespace {
+
+using namespace flashdora_native;
+
+struct NormPlan {
+  bool transposed = false;  // C as [r, d_out] (a W^T) rather than [d_out, r]
+  int64_t block_j = 0;      // the epilogue's r-slice (grid y)
+  int64_t block_m = 0;      // its tuned BLOCK_M (grid x)
+  Plan epilogue, scales;
+  int64_t misses = 0;       // calls that found no plan (function 0)
+};
+
+std::map<std::vector<int64_t>, NormPlan>& norm_plans() {
+  static auto* table = new std::map<std::vector<int64_t>, NormPlan>();  // (never freed, as `plans`)
+  return *table;
+}
+
+// Everything the two kernels' compiled forms and launch grids depend on, besides pointer alignment (checked).
+std::vector<int64_t> norm_key(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                              const at::Tensor& magnitude) {
+  return {weight.get_device(), weight.size(0), weight.size(1), lora_A.size(0),
+          static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(lora_A.scalar_type()),
+          static_cast<int64_t>(lora_B.scalar_type()), static_cast<int64_t>(magnitude.scalar_type()),
+          lora_B.stride(0), lora_B.stride(1)};
+}
+
+constexpr int64_t kChunkElements = 16 * 1024 * 1024;  // kernels/norm_gemm.py _CHUNK_ELEMENTS
+constexpr int64_t kScalesBlock = 1024;                // kernels/norm.py _SCALES_BLOCK
+
+// (norm, scales) as kernels/norm.py `norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)`
+// returns them; None where this is not a call it takes; False where it has no plan for it yet (the Python path
+// runs, then files one). The checks come before any work.
+py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                       const at::Tensor& magnitude, const at::Tensor& w_sq, double scaling) {
+  if (!weight.is_cuda() || weight.dim() != 2 || lora_A.dim() != 2 || lora_B.dim() != 2 || magnitude.dim() != 1) {
+    return py::none();
+  }
+  const auto wt = weight.scalar_type();
+  if (wt != at::kHalf && wt != at::kBFloat16) return py::none();
+  const int64_t d_out = weight.size(0), d_in = weight.size(1), r = lora_A.size(0);
+  if (d_out == 0 || d_in == 0 || r == 0 || d_out > kChunkElements / r || d_out % 4 != 0) return py::none();
+  for (const at::Tensor* p : {&lora_A, &lora_B, &magnitude}) {
+    if (p->scalar_type() == at::kDouble) return py::none();
+  }
+  if (w_sq.scalar_type() != at::kFloat || w_sq.dim() != 1 || w_sq.stride(0) != 1 || !aligned(w_sq) ||
+      !aligned(lora_B)) {
+    return py::none();
+  }
+  at::Tensor m = magnitude.contiguous();
+  if (!aligned(m)) return py::none();
+  NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
+  if (plan.epilogue.function == 0) {
+    if (++plan.misses > kMaxMisses) return py::none();
+    return py::bool_(false);
+  }
+
+  at::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // explicit dtypes throughout
+  void* stream = current_stream(weight.device());
+  const at::Tensor a = lora_A.to(wt);
+  const at::Tensor g = at::mm(a, a.t(), at::kFloat);
+  const at::Tensor c = plan.transposed ? at::mm(a, weight.t(), at::kFloat) : at::mm(weight, a.t(), at::kFloat);
+  const int64_t stride_cm = plan.transposed ? 1 : c.stride(0), stride_cj = plan.transposed ? c.stride(0) : 1;
+  const int64_t n_part = cdiv(r, plan.block_j);
+  at::Tensor part = at::empty({n_part, d_out}, w_sq.options());
+  launch(plan.epilogue,
+         {ptr(c), ptr(lora_B), ptr(g), ptr(w_sq), ptr(part), integer(d_out), integer(r),
+          Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling}, integer(stride_cm),
+          integer(stride_cj), integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(part.stride(0))},
+         cdiv(d_out, plan.block_m), cdiv(r, plan.block_j), stream);
+  at::Tensor both = at::empty({4, d_out}, w_sq.options());
+  at::Tensor norm = both.select(0, 0), scales = both.narrow(0, 1, 3);
+  launch(plan.scales,
+         {ptr(part), ptr(m), ptr(norm), ptr(scales), integer(n_part), integer(d_out), integer(scales.stride(0))},
+         cdiv(d_out, kScalesBlock), 1, stream);
+  return py::make_tuple(norm, scales);
+}
+
+// File the plan of `norm_scales` for layers like this one (kernels/norm.py `native_plan`).
+void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                   const at::Tensor& magnitude, bool transposed, int64_t block_j, int64_t block_m,
+                   int64_t e_function, int64_t e_warps, int64_t e_shared, std::string e_types,
+                   std::vector<int64_t> e_keep, int64_t s_function, int64_t s_warps, int64_t s_shared,
+                   std::string s_types, std::vector<int64_t> s_keep) {
+  TORCH_CHECK(e_function != 0 && s_function != 0, "flashdora.native: register_norm needs loaded kernels");
+  TORCH_CHECK(block_j > 0 && block_m > 0, "flashdora.native: register_norm needs positive blocks");
+  NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
+  plan.transposed = transposed;
+  plan.block_j = block_j;
+  plan.block_m = block_m;
+  plan.epilogue = Plan{e_function, e_warps, e_shared, 0, 0, 1, std::move(e_types), std::move(e_keep)};
+  plan.scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
+}
+
+}  // namespace
+
+namespace flashdora_native {
+
+void add_norm(pybind11::module_& m) {
+  m.def("norm_scales", &norm_scales,
+        "a norm cache miss's (norm, scales) on the Triton path: a tuple, None (not taken) or False (no plan yet)");
+  m.def("register_norm", &register_norm, "file norm_scales' launch plans for layers like this one");
+}
+
+}  // namespace flashdora_native
