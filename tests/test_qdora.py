@@ -167,3 +167,39 @@ def test_qdora_in_place_write_to_the_packed_weight_is_seen():
     with torch.no_grad():
         want = reference(input_ids=ids).logits
     assert rel_err(got, want) < 1e-5
+
+
+def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
+    """On the Triton path a 4-bit layer's norm reads the packed weight (``kernels/quant.py``): over several optimizer
+    steps the dense weight is dequantized once per layer (for ``||W||^2``), and the trained model's output is the
+    one the dense path gives (eager backend, same weights)."""
+    from flashdora.kernels import quant
+    from flashdora.ops import norm_cache
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    model = _model("nf4", compute_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.quant_state.dtype = torch.bfloat16  # the dequantized dtype: the layer's compute dtype
+    flashdora.enable(model)
+    dense_calls, cross_calls = [], []
+    real_dense, real_cross = norm_cache.dequantized, quant.Packed4bit.cross_term
+    monkeypatch.setattr(norm_cache, "dequantized", lambda base: dense_calls.append(base) or real_dense(base))
+    monkeypatch.setattr(quant.Packed4bit, "cross_term", lambda *a: cross_calls.append(a) or real_cross(*a))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    steps = 3
+    for step in range(steps):
+        _step(model, _ids(step))
+        opt.step()
+    n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert len(dense_calls) == n_layers and len(cross_calls) == n_layers * steps
+    assert not any(k.startswith("peft_fallback") for k in flashdora.stats())
+    model.eval()
+    ids = _ids(9)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+        monkeypatch.setenv("FLASHDORA_BACKEND", "eager")
+        flashdora.invalidate()
+        want = model(input_ids=ids).logits.float()
+    assert len(cross_calls) == n_layers * (steps + 1)
+    assert rel_err(got, want) <= 1e-2  # (the interpreter's bf16 truncation; the kernel test bounds W's error)

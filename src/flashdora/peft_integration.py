@@ -87,7 +87,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
-    quantized = _bnb(base)  # the cache keys on the packed weight; a miss computes from the dequantized one
+    quantized = _bnb(base)  # the cache keys on the packed weight; a miss reads its bytes or its dequantized copy
     if quantized and torch.compiler.is_compiling():
         return _fallback("quantized:compile", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
     weight = weight.T if module.fan_in_fan_out else weight
@@ -96,8 +96,9 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
         run = compose
     else:  # eager: the cache by its owner, and the compose without the compile checks
-        dense = (lambda: _dequantized(base)) if quantized else None
-        scales = NormCache.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), dense)
+        scales = NormCache.lookup_owner(
+            weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), base if quantized else None
+        )
         run = compose_eager
     dropout = mods["lora_dropout"]._modules[active_adapter]
     if not module.training or isinstance(dropout, nn.Identity):

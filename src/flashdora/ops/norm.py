@@ -145,12 +145,13 @@ def scales_on(magnitude, norm, triton: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch."""
+    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch.
+    ``weight`` may be a ``kernels.quant.Packed4bit`` there (the Python path: the C++ miss reads dense weights)."""
     if triton:
         from flashdora.kernels.norm import norm_and_scales
 
         backend.count("norm:triton")
-        mod = _native_module(weight) if w_sq is not None else None
+        mod = _native_module(weight) if w_sq is not None and isinstance(weight, torch.Tensor) else None
         if mod is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
         got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling))

@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from flashdora import backend
+from flashdora.layers import dequantized
 from flashdora.ops.norm import fresh, scales_on, weight_sq
 
 _steps = 0  # torch.optim steps taken in this process
@@ -135,9 +136,9 @@ class _Entries(dict):
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _uncached(weight, lora_A, lora_B, magnitude, scaling, dense=None) -> torch.Tensor:
+def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
-    weight = weight if dense is None else dense()
+    weight = weight if quantized is None else dequantized(quantized)
     triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
     return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
 
@@ -164,19 +165,20 @@ class NormCache:
         return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
 
     @classmethod
-    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, dense=None) -> torch.Tensor:
+    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None) -> torch.Tensor:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
-        ``dense``: for a quantized base, ``weight`` is the packed tensor the key is made of, and ``dense()`` gives the
-        dense weight a miss computes the norm from (freed once it has)."""
+        ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
+        miss reads a 4-bit weight's bytes where ``kernels/quant.py`` covers it (the dense weight only for a new
+        ``||W||^2``), else the dense weight the layer's forward dequantizes (freed once the norm is computed)."""
         if owner is None or weight.is_meta or not cache_enabled():
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
         try:
             keys = _keys(weight, lora_A, lora_B, magnitude)
         except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
         if None in keys:  # an FSDP2 parameter gathered before its shard's last write
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, dense)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
         w_key, a_key, b_key, m_key = keys
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
@@ -193,8 +195,8 @@ class NormCache:
         try:
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
-                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense)
-            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense)
+                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized)
+            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized)
         finally:
             _set_grad_enabled(grad)
 
@@ -203,22 +205,37 @@ class NormCache:
         owner.__dict__.pop("_flashdora_cache", None)
 
 
-def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, dense=None) -> torch.Tensor:
+def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None) -> torch.Tensor:
     if cache.get("norm_key") == key:  # only the magnitude moved
         backend.count("norm:cached")
         cache["scales"] = scales_on(magnitude, cache["norm"], backend.use_triton(lora_A, lora_B, magnitude))
     else:
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps (W is not among their params)
         w_key = (key[0], _events, _steps if weight.requires_grad else 0)
-        weight = weight if dense is None else dense()
-        triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
-        if cache.get("w_sq_key") != w_key:
+        new_sq = cache.get("w_sq_key") != w_key
+        packed = None
+        if quantized is not None:
+            packed = _packed(quantized, lora_A, lora_B, magnitude)
+            weight = dequantized(quantized) if packed is None or new_sq else None
+        triton = backend.use_triton(weight if weight is not None else lora_A, lora_A, lora_B, magnitude)
+        if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
-        cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
+        source = packed if packed is not None else weight
+        cache["norm"], cache["scales"] = fresh(source, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
         cache["norm_key"] = key
     cache["scales_key"] = full_key
     return cache["scales"]
+
+
+def _packed(quantized, lora_A, lora_B, magnitude):
+    """``quantized``'s 4-bit weight as ``kernels/quant.py`` reads it, or ``None`` (the dense path): not on the
+    Triton path, or a layer that file does not cover."""
+    if not backend.use_triton(lora_A, lora_B, magnitude):
+        return None
+    from flashdora.kernels.quant import packed_4bit
+
+    return packed_4bit(quantized)
 
 
 @torch.library.custom_op("flashdora::dora_scales", mutates_args=())

@@ -1,0 +1,70 @@
+"""The norm's cross term from a bitsandbytes 4-bit weight's bytes (``kernels/quant.py``) against bitsandbytes' own
+dequantization, and the QDoRA norm cache reading the bytes instead of a dense weight."""
+
+import pytest
+import torch
+
+from flashdora.kernels import configs
+
+bnb = pytest.importorskip("bitsandbytes")
+
+# fp32 -> bf16 in the Triton interpreter truncates where the GPU rounds (one bf16 ulp on some elements of W):
+# interpreter bf16 runs compare at that ulp's size; fp16 converts exactly there, and the GPU matches bitsandbytes.
+TOL = {torch.float16: 1e-5, torch.bfloat16: 1e-2 if configs.INTERPRETED else 1e-5}
+
+
+def _layer(d_out, d_in, quant_type, nested, blocksize, dtype, device):
+    weight = (torch.randn(d_out, d_in) / d_in**0.5).to(dtype)
+    layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=dtype, quant_type=quant_type,
+                              compress_statistics=nested, device="meta")  # fmt: skip
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=quant_type, blocksize=blocksize,
+                                     compress_statistics=nested)  # fmt: skip
+    layer = layer.to(device)  # (bitsandbytes quantizes on the move)
+    layer.support_avx512bf16_for_cpu = False
+    return layer
+
+
+def _dense(layer):
+    return bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+
+
+CASES = [  # (d_out, d_in, r, quant type, double quantization, blocksize, dtype)
+    pytest.param(40, 256, 20, "nf4", False, 64, torch.bfloat16, id="nf4-bf16"),
+    pytest.param(40, 256, 20, "fp4", False, 64, torch.bfloat16, id="fp4-bf16"),
+    pytest.param(40, 256, 20, "nf4", True, 64, torch.bfloat16, id="nf4-dq-bf16"),
+    pytest.param(33, 128, 5, "nf4", True, 32, torch.float16, id="nf4-dq-b32-fp16"),
+    pytest.param(33, 256, 17, "fp4", True, 128, torch.float16, id="fp4-dq-b128-fp16"),
+    pytest.param(4096, 4096, 64, "nf4", True, 64, torch.bfloat16, id="4096-r64-nf4-dq", marks=pytest.mark.gpu),
+    pytest.param(14336, 4096, 384, "nf4", False, 64, torch.bfloat16, id="14336-r384-nf4", marks=pytest.mark.gpu),
+    pytest.param(4096, 14336, 16, "fp4", True, 64, torch.float16, id="4096x14336-r16-fp4-dq", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("d_out, d_in, r, quant_type, nested, blocksize, dtype", CASES)
+def test_cross_term_matches_bitsandbytes_dequantization(
+    d_out, d_in, r, quant_type, nested, blocksize, dtype, device, poisoned_empty
+):  # fmt: skip
+    from flashdora.kernels.quant import packed_4bit
+
+    layer = _layer(d_out, d_in, quant_type, nested, blocksize, dtype, device)
+    packed = packed_4bit(layer)
+    assert packed is not None and packed.shape == (d_out, d_in) and packed.dtype == dtype
+    a = (torch.randn(r, d_in, device=device) / d_in**0.5).to(dtype)
+    want = _dense(layer).float() @ a.float().T
+    for row0, rows in [(0, d_out), (d_out // 3, d_out - d_out // 3)]:  # whole, and a chunk of rows
+        got, stride_rows, stride_r = packed.cross_term(a, row0, rows)
+        assert got.shape == (rows, r) and got.dtype == torch.float32 and (stride_rows, stride_r) == (r, 1)
+        assert torch.isfinite(got).all()
+        err = (got - want[row0 : row0 + rows]).abs().max() / want.abs().max()
+        assert err <= TOL[dtype], (row0, err)
+
+
+def test_packed_declines_what_it_does_not_cover():
+    """Layers the kernel does not read take the dequantized path: float32 dequantized dtype, rows that cross
+    quantization blocks, a Linear that is not 4-bit."""
+    from flashdora.kernels.quant import packed_4bit
+
+    assert packed_4bit(_layer(8, 64, "nf4", False, 64, torch.bfloat16, "cpu")) is not None
+    assert packed_4bit(_layer(8, 64, "nf4", False, 64, torch.float32, "cpu")) is None
+    assert packed_4bit(_layer(8, 96, "nf4", False, 64, torch.bfloat16, "cpu")) is None  # 96 % 64: blocks cross rows
+    assert packed_4bit(torch.nn.Linear(64, 8)) is None
