@@ -96,3 +96,63 @@ def test_gpu_cache_misses_run_in_cpp_with_the_python_paths_results(ext, monkeypa
     for norm, scales in got:
         torch.testing.assert_close(norm, want[0], rtol=0, atol=0)
         torch.testing.assert_close(scales, want[1], rtol=0, atol=0)
+
+
+def _packed(d_out, d_in, r, nested, dtype, device="cuda"):
+    """A bitsandbytes 4-bit layer's ``Packed4bit`` and adapters for it (the magnitude from the dense weight)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from flashdora.kernels.quant import packed_4bit
+
+    layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=dtype, quant_type="nf4",
+                              compress_statistics=nested, device="meta")  # fmt: skip
+    layer.weight = bnb.nn.Params4bit((torch.randn(d_out, d_in) / d_in**0.5).to(dtype), requires_grad=False,
+                                     quant_type="nf4", compress_statistics=nested)  # fmt: skip
+    layer = layer.to(device)
+    layer.support_avx512bf16_for_cpu = False
+    dense = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    lora_A = torch.randn(r, d_in, device=device) / d_in**0.5
+    lora_B = torch.randn(d_out, r, device=device) / r**0.5
+    magnitude = torch.linalg.vector_norm(dense.float(), dim=1) * 1.01
+    w_sq = ops_norm.weight_sq(dense, dense.is_cuda)
+    return packed_4bit(layer), dense, lora_A, lora_B, magnitude, w_sq
+
+
+def test_4bit_cpu_tensors_are_declined_and_plans_need_kernels(ext):
+    """The 4-bit entries' signatures as the Python side calls them: CPU weights are declined, a plan without loaded
+    kernels is refused."""
+    packed, _, lora_A, lora_B, magnitude, w_sq = _packed(16, 64, 4, True, torch.bfloat16, device="cpu")
+    assert ext.norm_scales_4bit(*packed.native_args(), lora_A, lora_B, magnitude, w_sq, 1.0) is None
+    plan = (1, 1, 0, 4, 0, "O", [0], 0, 4, 0, "O", [0], 0, 4, 0, "O", [0], 64, 64)
+    with pytest.raises(RuntimeError, match="needs loaded kernels"):
+        ext.register_norm_4bit(*packed.native_args(), lora_A, lora_B, magnitude, *plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d_out", "d_in", "r", "nested", "dtype"),
+    [(4096, 4096, 64, True, torch.bfloat16), (14336, 4096, 384, False, torch.bfloat16),
+     (1024, 2048, 16, True, torch.float16)],  # fmt: skip
+)
+def test_gpu_4bit_misses_run_in_cpp_with_the_python_paths_bits(ext, monkeypatch, d_out, d_in, r, nested, dtype):
+    """Through ``ops.norm.fresh`` on a ``Packed4bit``: the first miss runs the Python path and files the plan, later
+    misses run ``norm_scales_4bit`` (``norm:native``) with the Python path's bits, near the dense weight's norm."""
+    from flashdora.ops import compose as C
+
+    packed, dense, lora_A, lora_B, magnitude, w_sq = _packed(d_out, d_in, r, nested, dtype)
+    monkeypatch.setattr(native, "_module", ext)
+    monkeypatch.setattr(native, "_state", "ready")
+    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
+    want = ops_norm.fresh(packed, lora_A, lora_B, magnitude, 0.5, True, w_sq)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    flashdora.reset_stats()
+    got = []
+    for _ in range(3):
+        _poison()
+        got.append(ops_norm.fresh(packed, lora_A, lora_B, magnitude, 0.5, True, w_sq))
+    assert flashdora.stats().get("norm:native") == 2 and flashdora.stats()["norm:triton"] == 3
+    for norm, scales in got:
+        torch.testing.assert_close(norm, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(scales, want[1], rtol=0, atol=0)
+    exact = torch.linalg.vector_norm(dense.double() + 0.5 * lora_B.double() @ lora_A.to(dtype).double(), dim=1)
+    torch.testing.assert_close(got[-1][0].double(), exact, rtol=2e-3, atol=0)

@@ -90,20 +90,41 @@ class Packed4bit:
     def cross_term(self, a: torch.Tensor, row0: int, rows: int) -> tuple[torch.Tensor, int, int]:
         """``(C, stride over rows, stride over r)`` with ``C = W[row0 : row0 + rows] a^T`` float32 ``[rows, r]``;
         ``a``: ``[r, d_in]`` contiguous, in the weight's dtype."""
-        r, d_in = a.shape
-        c = torch.empty((rows, r), dtype=torch.float32, device=self.device)
-        nested = self.absmax2 is not None
-        if nested:
-            absmax2, code2, offset = self.absmax2, self.code2, self.offset
-        else:  # stand-ins the kernel never reads
-            absmax2, code2, offset = self.code, self.code, self.code
-        grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(r, _BLOCK_N))
-        args = (self.q, self.absmax, self.code, a, c, absmax2, code2, offset, rows, d_in, r, row0, r, 1)
-        flags = dict(BLOCKSIZE=self.blocksize, BLOCKSIZE2=self.blocksize2, NESTED=nested, OUT_DTYPE=_OUT[self.dtype],
-                     UPCAST=configs.INTERPRETED,
-                     BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=min(64, self.blocksize))  # fmt: skip
+        c = torch.empty((rows, a.shape[0]), dtype=torch.float32, device=self.device)
+        grid, args, flags = self.launch_args(a, c, row0, rows)
         launcher.launch_jit(_cross_4bit_kernel, grid, args, flags)
-        return c, r, 1
+        return c, a.shape[0], 1
+
+    def launch_args(self, a, c, row0: int, rows: int) -> tuple[tuple, tuple, dict]:
+        """The cross-term kernel's ``(grid, args, flags)`` for ``C = c`` (``[rows, r]`` contiguous)."""
+        r, d_in = a.shape[0], self.shape[1]
+        q, absmax, code, absmax2, code2, offset = self.native_args()[:6]
+        grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(r, _BLOCK_N))
+        args = (q, absmax, code, a, c, absmax2, code2, offset, rows, d_in, r, row0, r, 1)
+        flags = dict(BLOCKSIZE=self.blocksize, BLOCKSIZE2=self.blocksize2, NESTED=self.absmax2 is not None,
+                     OUT_DTYPE=_OUT[self.dtype], UPCAST=configs.INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                     BLOCK_K=min(64, self.blocksize))  # fmt: skip
+        return grid, args, flags
+
+    def native_args(self) -> tuple:
+        """What ``flashdora.native``'s ``norm_scales_4bit`` takes before the adapters: the kernel's tensors (stand-ins
+        it never reads where the weight is not double-quantized), the dense shape and dtype, and the packing."""
+        nested = self.absmax2 is not None
+        absmax2, code2, offset = (self.absmax2, self.code2, self.offset) if nested else (self.code,) * 3
+        d_out, d_in = self.shape
+        return (self.q, self.absmax, self.code, absmax2, code2, offset, d_out, d_in, self.dtype == torch.bfloat16,
+                self.blocksize, self.blocksize2, nested)  # fmt: skip
+
+    def plan(self, r: int) -> tuple | None:
+        """The cross-term kernel's launch plan for ``flashdora.native`` at rank ``r`` (``launcher.jit_plan``: function,
+        warps, shared memory, types, kept arguments) and its blocks, once ``launch_jit`` has compiled it for weights
+        like this one; else ``None``."""
+        d_out, d_in = self.shape
+        stand_in = torch.empty((1,), dtype=self.dtype, device=self.device)  # a plan depends on dtypes and alignment
+        c = torch.empty((1,), dtype=torch.float32, device=self.device)
+        _, args, flags = self.launch_args(stand_in, c, 0, d_out)
+        plan = launcher.jit_plan(_cross_4bit_kernel, (*args[:8], d_out, d_in, r, 0, r, 1), flags)
+        return None if plan is None else (*plan[1:], _BLOCK_M, _BLOCK_N)
 
 
 def packed_4bit(base) -> Packed4bit | None:
