@@ -130,8 +130,11 @@ def test_4bit_cpu_tensors_are_declined_and_plans_need_kernels(ext):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("d_out", "d_in", "r", "nested", "dtype"),
-    [(4096, 4096, 64, True, torch.bfloat16), (14336, 4096, 384, False, torch.bfloat16),
-     (1024, 2048, 16, True, torch.float16)],  # fmt: skip
+    [
+        (4096, 4096, 64, True, torch.bfloat16),
+        (14336, 4096, 384, False, torch.bfloat16),
+        (1024, 2048, 16, True, torch.float16),
+    ],  # fmt: skip
 )
 def test_gpu_4bit_misses_run_in_cpp_with_the_python_paths_bits(ext, monkeypatch, d_out, d_in, r, nested, dtype):
     """Through ``ops.norm.fresh`` on a ``Packed4bit``: the first miss runs the Python path and files the plan, later

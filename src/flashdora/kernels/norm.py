@@ -254,7 +254,7 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     if transposed is None:
         return None
     block_j = configs.norm_block_r(r)
-    f32 = weight.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
+    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
     stride_cm, stride_cj = (1, d_out) if transposed else (r, 1)  # C = W a^T as [r, d_out] or [d_out, r]
     epilogue = launcher.direct_plan(
         norm_gemm._epilogue_kernel, (r, lora_B.dtype),
@@ -263,7 +263,7 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
         dict(BLOCK_J=block_j),
     )  # fmt: skip
     n_part = triton.cdiv(r, block_j)
-    m = weight.new_empty(1, dtype=magnitude.dtype)
+    m = lora_B.new_empty(1, dtype=magnitude.dtype)
     scales = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_part, d_out, d_out), _scales_flags(True))
     if epilogue is None or scales is None:
         return None
