@@ -26,7 +26,7 @@ def _cross_4bit_kernel(
     p_q, p_absmax, p_code, p_a, p_c, p_absmax2, p_code2, p_offset,
     rows, d_in, r, row0, stride_cm, stride_cj,
     BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """``C[rows, r-slice] = W[row0 + rows] a^T`` float32 from the packed bytes; ``BLOCK_K`` divides ``BLOCKSIZE``,
     which divides ``d_in``: a tile's row lies in one quantization block."""
@@ -43,7 +43,14 @@ def _cross_4bit_kernel(
         block = (first + k) // BLOCKSIZE  # [BLOCK_M]
         if NESTED:
             b_u8 = tl.load(p_absmax + block, mask=mask_m, other=0).to(tl.int32)
-            b_max = tl.load(p_code2 + b_u8) * tl.load(p_absmax2 + block // BLOCKSIZE2, mask=mask_m, other=0.0)
+            b_code = tl.load(p_code2 + b_u8)
+            b_scale = tl.load(p_absmax2 + block // BLOCKSIZE2, mask=mask_m, other=0.0)
+            if INTERPRETED:  # (no inline assembly there)
+                b_max = b_code * b_scale
+            else:  # rounded before the add, as bitsandbytes' two launches round it: never a fused multiply-add
+                b_max = tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, $2;", "=r,r,r", [b_code, b_scale], dtype=tl.float32, is_pure=True, pack=1
+                )
             b_max = b_max + tl.load(p_offset)
         else:
             b_max = tl.load(p_absmax + block, mask=mask_m, other=0.0)
@@ -53,7 +60,7 @@ def _cross_4bit_kernel(
         p_ak = p_a + offs_n[None, :] * d_in + (k + 2 * offs_h)[:, None]  # [BLOCK_K / 2, BLOCK_N]: even columns
         b_even = tl.load(p_ak, mask=mask_n[None, :], other=0.0)
         b_odd = tl.load(p_ak + 1, mask=mask_n[None, :], other=0.0)
-        if UPCAST:  # the interpreter's dot misreads a 16-bit tile computed in registers: the same products in fp32
+        if INTERPRETED:  # its dot misreads a 16-bit tile computed in registers: the same products in fp32
             w_hi, w_lo = w_hi.to(tl.float32), w_lo.to(tl.float32)
             b_even, b_odd = b_even.to(tl.float32), b_odd.to(tl.float32)
         acc = tl.dot(w_hi, b_even, acc)
@@ -102,7 +109,7 @@ class Packed4bit:
         grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(r, _BLOCK_N))
         args = (q, absmax, code, a, c, absmax2, code2, offset, rows, d_in, r, row0, r, 1)
         flags = dict(BLOCKSIZE=self.blocksize, BLOCKSIZE2=self.blocksize2, NESTED=self.absmax2 is not None,
-                     OUT_DTYPE=_OUT[self.dtype], UPCAST=configs.INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                     OUT_DTYPE=_OUT[self.dtype], INTERPRETED=configs.INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
                      BLOCK_K=min(64, self.blocksize))  # fmt: skip
         return grid, args, flags
 
