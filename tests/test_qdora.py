@@ -203,3 +203,28 @@ def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
         want = model(input_ids=ids).logits.float()
     assert len(cross_calls) == n_layers * (steps + 1)
     assert rel_err(got, want) <= 1e-2  # (the interpreter's bf16 truncation; the kernel test bounds W's error)
+
+
+def test_qdora_ranks_above_the_packed_reads_limit_use_the_dense_weight(monkeypatch):
+    """Above ``kernels.quant.MAX_RANK`` a miss dequantizes the weight (cuBLAS's GEMM), never the packed read."""
+    from flashdora.kernels import quant
+    from flashdora.ops import norm_cache
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    monkeypatch.setattr(quant, "MAX_RANK", 2)  # the model's r is 4
+    model = _model("nf4", compute_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.quant_state.dtype = torch.bfloat16
+    flashdora.enable(model)
+    dense_calls, cross_calls = [], []
+    real_dense, real_cross = norm_cache.dequantized, quant.Packed4bit.cross_term
+    monkeypatch.setattr(norm_cache, "dequantized", lambda base: dense_calls.append(base) or real_dense(base))
+    monkeypatch.setattr(quant.Packed4bit, "cross_term", lambda *a: cross_calls.append(a) or real_cross(*a))
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=_ids())
+        flashdora.invalidate()
+        model(input_ids=_ids())
+    n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert not cross_calls and len(dense_calls) == 2 * n_layers

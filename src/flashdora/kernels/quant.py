@@ -18,7 +18,17 @@ import triton.language as tl
 
 from flashdora.kernels import configs, launcher
 
-_BLOCK_M, _BLOCK_N = (64, 64) if not configs.INTERPRETED else (16, 16)
+_BLOCK_M = 64 if not configs.INTERPRETED else 16
+
+# The largest rank read from the packed bytes: one tile of C then spans all of r, so each tile of W is dequantized
+# once. Above it a tile would be dequantized again for every slice of r; there the dequantized weight and cuBLAS's
+# GEMM are faster (8B shape, r = 384, one H200: the training step took 1.8x QLoRA's read from the bytes in slices of
+# 64).
+MAX_RANK = 128
+
+
+def _block_n(r: int) -> int:
+    return min(MAX_RANK, max(16, triton.next_power_of_2(r)))
 
 
 @triton.jit
@@ -106,11 +116,11 @@ class Packed4bit:
         """The cross-term kernel's ``(grid, args, flags)`` for ``C = c`` (``[rows, r]`` contiguous)."""
         r, d_in = a.shape[0], self.shape[1]
         q, absmax, code, absmax2, code2, offset = self.native_args()[:6]
-        grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(r, _BLOCK_N))
+        grid = (triton.cdiv(rows, _BLOCK_M), triton.cdiv(r, _block_n(r)))
         args = (q, absmax, code, a, c, absmax2, code2, offset, rows, d_in, r, row0, r, 1)
         flags = dict(BLOCKSIZE=self.blocksize, BLOCKSIZE2=self.blocksize2, NESTED=self.absmax2 is not None,
-                     OUT_DTYPE=_OUT[self.dtype], INTERPRETED=configs.INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                     BLOCK_K=min(64, self.blocksize))  # fmt: skip
+                     OUT_DTYPE=_OUT[self.dtype], INTERPRETED=configs.INTERPRETED, BLOCK_M=_BLOCK_M,
+                     BLOCK_N=_block_n(r), BLOCK_K=min(64, self.blocksize))  # fmt: skip
         return grid, args, flags
 
     def native_args(self) -> tuple:
@@ -127,11 +137,11 @@ class Packed4bit:
         warps, shared memory, types, kept arguments) and its blocks, once ``launch_jit`` has compiled it for weights
         like this one; else ``None``."""
         d_out, d_in = self.shape
-        stand_in = torch.empty((1,), dtype=self.dtype, device=self.device)  # a plan depends on dtypes and alignment
+        stand_in = torch.empty((r,), dtype=self.dtype, device=self.device)  # a plan depends on dtypes and alignment
         c = torch.empty((1,), dtype=torch.float32, device=self.device)
         _, args, flags = self.launch_args(stand_in, c, 0, d_out)
         plan = launcher.jit_plan(_cross_4bit_kernel, (*args[:8], d_out, d_in, r, 0, r, 1), flags)
-        return None if plan is None else (*plan[1:], _BLOCK_M, _BLOCK_N)
+        return None if plan is None else (*plan[1:], _BLOCK_M, _block_n(r))
 
 
 def packed_4bit(base) -> Packed4bit | None:

@@ -230,12 +230,12 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
 
 def _packed(quantized, lora_A, lora_B, magnitude):
     """``quantized``'s 4-bit weight as ``kernels/quant.py`` reads it, or ``None`` (the dense path): not on the
-    Triton path, or a layer that file does not cover."""
+    Triton path, a rank above that file's ``MAX_RANK``, or a layer it does not cover."""
     if not backend.use_triton(lora_A, lora_B, magnitude):
         return None
-    from flashdora.kernels.quant import packed_4bit
+    from flashdora.kernels import quant
 
-    return packed_4bit(quantized)
+    return quant.packed_4bit(quantized) if lora_A.shape[0] <= quant.MAX_RANK else None
 
 
 @torch.library.custom_op("flashdora::dora_scales", mutates_args=())
