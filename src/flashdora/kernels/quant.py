@@ -145,8 +145,8 @@ class Packed4bit:
 
 
 def packed_4bit(base) -> Packed4bit | None:
-    """``base``'s weight as a ``Packed4bit``, or ``None`` where this file does not cover it: not an nf4 layer (read
-    through its code table, an fp4 weight missed bitsandbytes' CUDA dequantization on a few elements; nf4 matched it),
+    """``base``'s weight as a ``Packed4bit``, or ``None`` where this file does not cover it: not an nf4 layer (fp4 has
+    not been checked against bitsandbytes' CUDA dequantization element for element),
     packed in a storage other than uint8, a float32 dequantized dtype, or rows that cross quantization blocks."""
     state = getattr(base.weight, "quant_state", None)
     if type(base).__name__ != "Linear4bit" or getattr(state, "quant_type", None) != "nf4":
