@@ -122,7 +122,7 @@ def test_autocast_rounds_where_peft_rounds(monkeypatch, device, backend, bias, a
     ``result - bias``, the LoRA weight gradients), so it stays far closer to PEFT than either is to float64 and a
     model trained with it tracks PEFT's. (The LoRA tile kept in fp32 gave ~0.56 of that distance, 82% equal
     outputs.) What remains is the norm: PEFT's rounds ``B A`` to bf16, flashdora's never forms it, and, without
-    dropout and with ``s`` not a power of two, one rounding of the LoRA weight gradients (docs/decisions.md)."""
+    dropout and with ``s`` not a power of two, one rounding of the LoRA weight gradients."""
     monkeypatch.setenv("FLASHDORA_BACKEND", backend)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(256, 96, bias=bias, dtype=torch.bfloat16, device=device))

@@ -81,7 +81,7 @@ def _add_pretrain_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         default=steps,
         metavar="STEPS",
         help="train the base model this many steps (all parameters) before attaching the adapters, then scale lora_B "
-        "to --lora-b-ratio: a fine-tuning-like start (0: random weights, docs/history.md; default: %(default)s)",
+        "to --lora-b-ratio: a fine-tuning-like start (0: random weights; default: %(default)s)",
     )
     p.add_argument("--pretrain-lr", type=float, default=1e-3, help="peak lr of --pretrain (default 1e-3)")
     p.add_argument(
@@ -202,7 +202,7 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time the modes call by call (every timed step runs each mode once, the order rotated step by step), so "
         "a change of the host's load hits every mode alike, but no mode runs right after itself as a model's layers "
-        "do (a colder host: docs/history.md); --reps calls per mode; peak memory from a separate run of each mode "
+        "do (a colder host); --reps calls per mode; peak memory from a separate run of each mode "
         "(at most 5 calls); not with --rounds",
     )
     p.add_argument(

@@ -23,7 +23,7 @@ SIZES = {
     # `flashdora parity` on CUDA: ~135M base parameters, the byte-level vocabulary (+84M adapter ones at r = 384)
     "base": (1024, 12, 2816, 16, 4, 256),
     # `flashdora parity --steps 2000` on CUDA: ~180M base parameters in 4 wide layers (+56M adapter ones at r = 384);
-    # a third of base's launches per step, so a 2000-step run fits a short GPU session (docs/history.md)
+    # a third of base's launches per step, so a 2000-step run fits a short GPU session
     "wide": (2048, 4, 5632, 16, 4, 256),
 }
 

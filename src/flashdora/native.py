@@ -5,7 +5,7 @@ A layer of ordinary size is bound by the host. The C++ forward runs the LoRA A m
 kernel the Python path compiled and tuned (its launch plan comes from ``kernels.compose.fwd_plan``), and in training
 hangs the backward node on the output. The Python path's backward is otherwise an ``autograd.Function``: inside a
 model's backward it runs on the autograd engine's device thread, between the C++ nodes of everything else, and there
-its Python cost per layer is several times what the same code costs in a loop (docs/history.md). The node does
+its Python cost per layer is several times what the same code costs in a loop. The node does
 the same work in C++: it launches the compose-backward kernel (plan from ``kernels.compose.bwd_plan``), then the
 magnitude gradient's second stage and the two LoRA GEMMs. A norm cache miss (once per layer and optimizer step in
 training) runs in C++ too (``norm_scales``: the launches of ``kernels.norm.norm_and_scales``). A call the C++ side
@@ -43,7 +43,7 @@ _done = threading.Event()  # set when a build has ended
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default on, docs/history.md): ``0``, ``false``, ``off`` or ``no`` keeps the Python
+    """``FLASHDORA_NATIVE`` (default on): ``0``, ``false``, ``off`` or ``no`` keeps the Python
     path and never builds the extension. Read on every call, so it can be switched at any time. Off on torch and
     Triton versions the tests do not cover (``backend.private_apis``): it packs Triton's kernel arguments itself."""
     return backend.switch("FLASHDORA_NATIVE", True) and backend.private_apis()

@@ -1,9 +1,9 @@
 """``flashdora parity --pretrain N``: a pretrained-like start for the training-curve comparison.
 
-From random weights two bf16 trainings of the same model part chaotically, whatever computes them (the noise floor,
-docs/history.md). Fine-tuning, which the issue's curve bar comes from, starts from a trained model whose adapter
-is a small correction. So: train the base first (all parameters), attach DoRA, and scale ``lora_B`` so that
-``s B A`` is a small fraction of ``W``, with each magnitude reset to ``||W + s B A||`` (PEFT's initialisation).
+From random weights two bf16 trainings of the same model part chaotically, whatever computes them (the noise floor).
+Fine-tuning, which the issue's curve bar comes from, starts from a trained model whose adapter is a small correction.
+So: train the base first (all parameters), attach DoRA, and scale ``lora_B`` so that ``s B A`` is a small fraction
+of ``W``, with each magnitude reset to ``||W + s B A||`` (PEFT's initialisation).
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ class FlashDoraLinear(PeftLinear):
 
     The same function as PEFT's (``base_layer(x)``, PEFT's cast of ``x``, the variant's forward, the result in the
     base layer's dtype), without PEFT's per-call dispatch: argument checks, properties, module-dict lookups and
-    keyword plumbing, host time a model pays on every layer call (docs/history.md). Printed as PEFT's class.
+    keyword plumbing, host time a model pays on every layer call. Printed as PEFT's class.
     """
 
     def forward(self, x, *args, **kwargs):

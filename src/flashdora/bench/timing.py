@@ -77,7 +77,7 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, devi
     once, starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before
     which, is ``fns``' own). A change of the host's load between steps then hits every callable alike, where timing
     each one's calls in a block of its own lets it land on one of them. But no callable runs right after itself, as
-    a model's layers do: its host code and data start colder (docs/history.md). No warm-up here; results are
+    a model's layers do: its host code and data start colder. No warm-up here; results are
     dropped at once.
     """
     if reps < 1:

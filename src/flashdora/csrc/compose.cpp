@@ -1,4 +1,4 @@
-// The DoRA compose on the Triton path, forward and backward, in C++ (flashdora.native; design: docs/history.md).
+// The DoRA compose on the Triton path, forward and backward, in C++ (flashdora.native).
 //
 // A layer of ordinary size is bound by the host: its Python costs more than its kernels. `forward` runs the
 // LoRA A matmul (ATen, recorded by autograd as F.linear is), launches the fused forward kernel that the Python path

@@ -245,7 +245,7 @@ def compose_fwd_fused(result, a, lora_B, scales, scaling, bias=None, lx_base=Non
     ``a``: ``[..., r]`` (the LoRA A output); ``lora_B``: ``[d_out, r]`` in any float dtype, rounded to ``a``'s
     dtype in registers as the eager matmul's cast would (no cast pass). The LoRA tile is rounded to ``a``'s dtype
     before the compose, as PEFT's (and the eager path's) matmul output is: same values, so a flashdora model tracks
-    PEFT's under bf16 (docs/history.md).
+    PEFT's under bf16.
     """
     t, n, y, inner, launch = _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner)
     if t > 0 and n > 0:

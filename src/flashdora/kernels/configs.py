@@ -21,7 +21,7 @@ def _pick(gpu: list[triton.Config], interpreted: triton.Config) -> list[triton.C
 
 def bench(kernel_call, quantiles):
     """Every autotuner's timer: Triton's ``do_bench`` over 25 ms per config instead of its default 100 ms. A fresh
-    process spent 2.7 s of an 8B model's first step timing 21 configs (docs/history.md); our kernels
+    process spent 2.7 s of an 8B model's first step timing 21 configs; our kernels
     take 0.02-0.5 ms, so 25 ms is still 50 or more calls per config."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 

@@ -110,7 +110,7 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     directly: through torch's C++ launcher of compiled Triton kernels where torch has one (``_StaticCudaLauncher``,
     what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. On the device
     machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch and Triton's launcher 20-50 us more,
-    which a DoRA layer of ordinary size cannot hide (docs/history.md).
+    which a DoRA layer of ordinary size cannot hide.
     """
     if not backend.private_apis():  # untested torch or Triton: the plain launch (backend.TESTED)
         kernel[grid](*args, **flags)

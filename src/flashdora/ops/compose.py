@@ -5,7 +5,7 @@
 the DoRA delta with the LoRA matmuls inside, so the Triton path can fuse the compose into them. Eager calls cross
 one ``autograd.Function`` (fused kernels on the Triton path). Under ``torch.compile`` the compose is plain torch
 ops that inductor fuses itself, with no break in the graph; only the norm lookup stays an opaque custom op
-(``flashdora::dora_scales``), since the cache lives outside the graph (docs/history.md). Math: docs/math.md.
+(``flashdora::dora_scales``), since the cache lives outside the graph. Math: docs/math.md.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _compute_dtype(device_type: str, lora_A: torch.Tensor, autocast: bool) -> to
 
 # Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384:
 # at d_out 27648 the in-register cast costs the kernel 18-28 us more than a cast pass plus the kernel on a 16-bit
-# B; at d_out 4096 only 2-4 us, below the host time of one more launch; docs/history.md).
+# B; at d_out 4096 only 2-4 us, below the host time of one more launch).
 _CAST_B_FIRST = 8 * 2**20
 
 
@@ -93,7 +93,7 @@ def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_
         backend.count("triton")
         kc = _kc or _import_kernels()
         # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
-        # GPU time saved outweighs the extra launch's host time (docs/history.md).
+        # GPU time saved outweighs the extra launch's host time.
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
         return kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
     backend.count("eager")
@@ -132,7 +132,7 @@ def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, tr
     out = [None] * 6
     # PEFT rounds the LoRA branch's gradient as (dy s) g. With lx_base, g dy feeds only the LoRA GEMMs: round it
     # that way and run them with alpha 1. Without, it is also d_result: keep g dy, put s on the GEMMs' alpha
-    # (the same bits when s is a power of two; one rounding apart otherwise, docs/history.md).
+    # (the same bits when s is a power of two; one rounding apart otherwise).
     lora_scale, alpha = (scaling, 1.0) if has_lx_base else (1.0, scaling)
     if triton:  # the forward's choice (same device)
         gdy, d_lx_base, dg = (_kc or _import_kernels()).compose_bwd(dy, inner, scales, has_lx_base, lora_scale)
@@ -270,7 +270,7 @@ def after_base() -> int:
     wait on the compose's backward; the A matmul, recorded later, would run first and allocate its ``d x`` while
     ``g dy``, the base layer's gradient, still waits (one ``[tokens, d_out]`` block more at the step's peak). Its
     node gets a sequence number just below every node the base layer records, so the base runs first and frees
-    ``g dy`` before. Only the order of ready nodes changes (docs/history.md)."""
+    ``g dy`` before. Only the order of ready nodes changes."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():  # (compiled graphs order their own backward)
         return -1
     if _sequence_nr is None or not backend.private_apis():  # the engine's order as recorded (more peak memory)
