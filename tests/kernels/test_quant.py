@@ -30,12 +30,16 @@ def _dense(layer):
 
 CASES = [  # (d_out, d_in, r, quant type, double quantization, blocksize, dtype)
     pytest.param(40, 256, 20, "nf4", False, 64, torch.bfloat16, id="nf4-bf16"),
+    pytest.param(40, 256, 20, "fp4", False, 64, torch.bfloat16, id="fp4-bf16"),
     pytest.param(40, 256, 20, "nf4", True, 64, torch.bfloat16, id="nf4-dq-bf16"),
+    pytest.param(33, 256, 17, "fp4", True, 128, torch.float16, id="fp4-dq-b128-fp16"),
     pytest.param(33, 128, 5, "nf4", True, 32, torch.float16, id="nf4-dq-b32-fp16"),
     pytest.param(33, 256, 17, "nf4", True, 128, torch.float16, id="nf4-dq-b128-fp16"),
     pytest.param(4096, 4096, 64, "nf4", True, 64, torch.bfloat16, id="4096-r64-nf4-dq", marks=pytest.mark.gpu),
     pytest.param(14336, 4096, 384, "nf4", False, 64, torch.bfloat16, id="14336-r384-nf4", marks=pytest.mark.gpu),
     pytest.param(4096, 14336, 16, "nf4", True, 64, torch.float16, id="4096x14336-r16-nf4-dq", marks=pytest.mark.gpu),
+    pytest.param(4096, 4096, 64, "fp4", True, 64, torch.bfloat16, id="4096-r64-fp4-dq", marks=pytest.mark.gpu),
+    pytest.param(4096, 4096, 128, "fp4", False, 64, torch.float16, id="4096-r128-fp4-fp16", marks=pytest.mark.gpu),
 ]
 
 
@@ -69,12 +73,12 @@ def test_cross_term_matches_bitsandbytes_dequantization(
 
 
 def test_packed_declines_what_it_does_not_cover():
-    """Layers the kernel does not read take the dequantized path: fp4, float32 dequantized dtype, rows that cross
+    """Layers the kernel does not read take the dequantized path: float32 dequantized dtype, rows that cross
     quantization blocks, a Linear that is not 4-bit."""
     from flashdora.kernels.quant import packed_4bit
 
     assert packed_4bit(_layer(8, 64, "nf4", False, 64, torch.bfloat16, "cpu")) is not None
-    assert packed_4bit(_layer(8, 64, "fp4", False, 64, torch.bfloat16, "cpu")) is None
+    assert packed_4bit(_layer(8, 64, "fp4", False, 64, torch.bfloat16, "cpu")) is not None
     assert packed_4bit(_layer(8, 64, "nf4", False, 64, torch.float32, "cpu")) is None
     assert packed_4bit(_layer(8, 96, "nf4", False, 64, torch.bfloat16, "cpu")) is None  # 96 % 64: blocks cross rows
     assert packed_4bit(torch.nn.Linear(64, 8)) is None

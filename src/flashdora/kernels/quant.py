@@ -1,4 +1,4 @@
-"""The norm's cross term ``W A^T`` straight from a bitsandbytes 4-bit nf4 weight (with or without double
+"""The norm's cross term ``W A^T`` straight from a bitsandbytes 4-bit weight (nf4 or fp4, with or without double
 quantization), dequantized tile by tile in registers: no dense copy of ``W`` is written, and a cache miss on a
 QDoRA layer is one Triton launch where dequantizing first took bitsandbytes' two ops (and their Python) plus a GEMM.
 
@@ -6,7 +6,7 @@ Each tile of ``W`` is rebuilt as bitsandbytes' own dequantization computes it: `
 float32, rounded to the weight's 16-bit dtype (the first element of a byte in its high nibble), with a double-quantized
 ``absmax`` rebuilt as ``code2[absmax_u8] * absmax2 + offset``. Elements of a byte are columns ``2h`` and ``2h + 1``
 of a row, so the tile's product is two GEMMs: the high nibbles against ``A``'s even columns and the low ones against
-its odd columns. Layers this file does not cover (fp4, 8-bit, other storage, float32 ``W``) take the dequantized path
+its odd columns. Layers this file does not cover (8-bit, other storage, float32 ``W``) take the dequantized path
 (``layers.dequantized``). Used by ``kernels/norm_gemm.py``; tested against bitsandbytes' dequantization.
 """
 
@@ -145,11 +145,10 @@ class Packed4bit:
 
 
 def packed_4bit(base) -> Packed4bit | None:
-    """``base``'s weight as a ``Packed4bit``, or ``None`` where this file does not cover it: not an nf4 layer (fp4 has
-    not been checked against bitsandbytes' CUDA dequantization element for element),
+    """``base``'s weight as a ``Packed4bit``, or ``None`` where this file does not cover it: not a 4-bit layer,
     packed in a storage other than uint8, a float32 dequantized dtype, or rows that cross quantization blocks."""
     state = getattr(base.weight, "quant_state", None)
-    if type(base).__name__ != "Linear4bit" or getattr(state, "quant_type", None) != "nf4":
+    if type(base).__name__ != "Linear4bit" or getattr(state, "quant_type", None) not in ("nf4", "fp4"):
         return None
     weight = base.weight.detach()  # (a plain tensor: Params4bit runs Python on every attribute read)
     shape = tuple(state.shape)
