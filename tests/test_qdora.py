@@ -69,6 +69,27 @@ def _step(model, ids, seed=5):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _bf16_model():
+    """``_model("nf4")`` with bf16 compute whose weights dequantize to bf16, the layer's compute dtype."""
+    model = _model("nf4", compute_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.quant_state.dtype = torch.bfloat16
+    return model
+
+
+def _count_norm_reads(monkeypatch):
+    """Lists that record each dense dequantization of a base by the norm cache and each packed cross term."""
+    from flashdora.kernels import quant
+    from flashdora.ops import norm_cache
+
+    dense_calls, cross_calls = [], []
+    real_dense, real_cross = norm_cache.dequantized, quant.Packed4bit.cross_term
+    monkeypatch.setattr(norm_cache, "dequantized", lambda base: dense_calls.append(base) or real_dense(base))
+    monkeypatch.setattr(quant.Packed4bit, "cross_term", lambda *a: cross_calls.append(a) or real_cross(*a))
+    return dense_calls, cross_calls
+
+
 KINDS = [
     pytest.param("nf4", "cpu", id="nf4"),
     pytest.param("fp4", "cpu", id="fp4"),
@@ -126,10 +147,7 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
     from flashdora.ops import norm as norm_ops
     from flashdora.ops import norm_cache
 
-    model = _model("nf4", compute_dtype=torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.weight.quant_state.dtype = torch.bfloat16  # the dequantized dtype: the layer's compute dtype
+    model = _bf16_model()
     flashdora.enable(model)
     calls, shapes = [], []
     real = norm_ops.weight_sq
@@ -173,19 +191,11 @@ def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
     """On the Triton path a 4-bit layer's norm reads the packed weight (``kernels/quant.py``): over several optimizer
     steps the dense weight is dequantized once per layer (for ``||W||^2``), and the trained model's output is the
     one the dense path gives (eager backend, same weights)."""
-    from flashdora.kernels import quant
-    from flashdora.ops import norm_cache
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    model = _model("nf4", compute_dtype=torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.weight.quant_state.dtype = torch.bfloat16  # the dequantized dtype: the layer's compute dtype
+    model = _bf16_model()
     flashdora.enable(model)
-    dense_calls, cross_calls = [], []
-    real_dense, real_cross = norm_cache.dequantized, quant.Packed4bit.cross_term
-    monkeypatch.setattr(norm_cache, "dequantized", lambda base: dense_calls.append(base) or real_dense(base))
-    monkeypatch.setattr(quant.Packed4bit, "cross_term", lambda *a: cross_calls.append(a) or real_cross(*a))
+    dense_calls, cross_calls = _count_norm_reads(monkeypatch)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps = 3
     for step in range(steps):
@@ -208,19 +218,12 @@ def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
 def test_qdora_ranks_above_the_packed_reads_limit_use_the_dense_weight(monkeypatch):
     """Above ``kernels.quant.MAX_RANK`` a miss dequantizes the weight (cuBLAS's GEMM), never the packed read."""
     from flashdora.kernels import quant
-    from flashdora.ops import norm_cache
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     monkeypatch.setattr(quant, "MAX_RANK", 2)  # the model's r is 4
-    model = _model("nf4", compute_dtype=torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.weight.quant_state.dtype = torch.bfloat16
+    model = _bf16_model()
     flashdora.enable(model)
-    dense_calls, cross_calls = [], []
-    real_dense, real_cross = norm_cache.dequantized, quant.Packed4bit.cross_term
-    monkeypatch.setattr(norm_cache, "dequantized", lambda base: dense_calls.append(base) or real_dense(base))
-    monkeypatch.setattr(quant.Packed4bit, "cross_term", lambda *a: cross_calls.append(a) or real_cross(*a))
+    dense_calls, cross_calls = _count_norm_reads(monkeypatch)
     model.eval()
     with torch.no_grad():
         model(input_ids=_ids())

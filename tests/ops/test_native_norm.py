@@ -22,6 +22,15 @@ def _layer(d_out, d_in, r, w_dtype, ab_dtype, transposed=False, device="cuda"):
     return weight, lora_A, lora_B, magnitude, w_sq
 
 
+def _use(ext, monkeypatch):
+    """``ext`` as the loaded extension for this test (the norm's miss and the compose)."""
+    from flashdora.ops import compose as C
+
+    monkeypatch.setattr(native, "_module", ext)
+    monkeypatch.setattr(native, "_state", "ready")
+    monkeypatch.setattr(C, "_native", ext)
+
+
 def _poison():
     torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
 
@@ -81,12 +90,8 @@ def test_gpu_norm_scales_declines_what_it_does_not_take_and_gives_up_without_pla
 def test_gpu_cache_misses_run_in_cpp_with_the_python_paths_results(ext, monkeypatch):
     """Through the norm cache: the first miss of a shape runs the Python path and files the plan, later misses run
     in C++ (``norm:native``) with the same bits as with ``FLASHDORA_NATIVE=0``."""
-    from flashdora.ops import compose as C
-
     weight, lora_A, lora_B, magnitude, w_sq = _layer(2048, 1024, 32, torch.bfloat16, torch.float32)
-    monkeypatch.setattr(native, "_module", ext)
-    monkeypatch.setattr(native, "_state", "ready")
-    monkeypatch.setattr(C, "_native", ext)
+    _use(ext, monkeypatch)
     monkeypatch.setenv("FLASHDORA_NATIVE", "0")
     want = ops_norm.fresh(weight, lora_A, lora_B, magnitude, 0.5, True, w_sq)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
@@ -139,12 +144,8 @@ def test_4bit_cpu_tensors_are_declined_and_plans_need_kernels(ext):
 def test_gpu_4bit_misses_run_in_cpp_with_the_python_paths_bits(ext, monkeypatch, d_out, d_in, r, nested, dtype):
     """Through ``ops.norm.fresh`` on a ``Packed4bit``: the first miss runs the Python path and files the plan, later
     misses run ``norm_scales_4bit`` (``norm:native``) with the Python path's bits, near the dense weight's norm."""
-    from flashdora.ops import compose as C
-
     packed, dense, lora_A, lora_B, magnitude, w_sq = _packed(d_out, d_in, r, nested, dtype)
-    monkeypatch.setattr(native, "_module", ext)
-    monkeypatch.setattr(native, "_state", "ready")
-    monkeypatch.setattr(C, "_native", ext)
+    _use(ext, monkeypatch)
     monkeypatch.setenv("FLASHDORA_NATIVE", "0")
     want = ops_norm.fresh(packed, lora_A, lora_B, magnitude, 0.5, True, w_sq)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
