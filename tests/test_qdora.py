@@ -195,6 +195,7 @@ def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     model = _bf16_model()
     flashdora.enable(model)
+    flashdora.reset_stats()
     dense_calls, cross_calls = _count_norm_reads(monkeypatch)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps = 3
@@ -203,7 +204,8 @@ def test_qdora_norm_reads_the_packed_bytes(monkeypatch):
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(dense_calls) == n_layers and len(cross_calls) == n_layers * steps
-    assert not any(k.startswith("peft_fallback") for k in flashdora.stats())
+    stats = flashdora.stats()
+    assert stats["norm:4bit"] == n_layers * steps and not any(k.startswith("peft_fallback") for k in stats)
     model.eval()
     ids = _ids(9)
     with torch.no_grad():

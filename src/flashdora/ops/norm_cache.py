@@ -221,7 +221,10 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
-        source = packed if packed is not None else weight
+        source = weight
+        if packed is not None:
+            backend.count("norm:4bit")
+            source = packed
         cache["norm"], cache["scales"] = fresh(source, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
         cache["norm_key"] = key
     cache["scales_key"] = full_key
