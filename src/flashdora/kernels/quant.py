@@ -136,11 +136,11 @@ class Packed4bit:
         """The cross-term kernel's launch plan for ``flashdora.native`` at rank ``r`` (``launcher.jit_plan``: function,
         warps, shared memory, types, kept arguments) and its blocks, once ``launch_jit`` has compiled it for weights
         like this one; else ``None``."""
-        d_out, d_in = self.shape
+        d_out = self.shape[0]
         stand_in = torch.empty((r,), dtype=self.dtype, device=self.device)  # a plan depends on dtypes and alignment
         c = torch.empty((1,), dtype=torch.float32, device=self.device)
-        _, args, flags = self.launch_args(stand_in, c, 0, d_out)
-        plan = launcher.jit_plan(_cross_4bit_kernel, (*args[:8], d_out, d_in, r, 0, r, 1), flags)
+        _, args, flags = self.launch_args(stand_in, c, 0, d_out)  # (the integers a whole-weight call passes)
+        plan = launcher.jit_plan(_cross_4bit_kernel, args, flags)
         return None if plan is None else (*plan[1:], _BLOCK_M, _block_n(r))
 
 

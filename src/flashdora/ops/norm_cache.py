@@ -214,10 +214,12 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
         w_key = (key[0], _events, _steps if weight.requires_grad else 0)
         new_sq = cache.get("w_sq_key") != w_key
         packed = None
-        if quantized is not None:
-            packed = _packed(quantized, lora_A, lora_B, magnitude)
+        if quantized is None:
+            triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
+        else:  # (a dequantized weight is never float64: the adapters decide)
+            triton = backend.use_triton(lora_A, lora_B, magnitude)
+            packed = _packed(quantized, lora_A) if triton else None
             weight = dequantized(quantized) if packed is None or new_sq else None
-        triton = backend.use_triton(weight if weight is not None else lora_A, lora_A, lora_B, magnitude)
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
@@ -231,11 +233,9 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
     return cache["scales"]
 
 
-def _packed(quantized, lora_A, lora_B, magnitude):
-    """``quantized``'s 4-bit weight as ``kernels/quant.py`` reads it, or ``None`` (the dense path): not on the
-    Triton path, a rank above that file's ``MAX_RANK``, or a layer it does not cover."""
-    if not backend.use_triton(lora_A, lora_B, magnitude):
-        return None
+def _packed(quantized, lora_A):
+    """``quantized``'s 4-bit weight as ``kernels/quant.py`` reads it (on the Triton path), or ``None`` (the dense
+    path): a rank above that file's ``MAX_RANK``, or a layer it does not cover."""
     from flashdora.kernels import quant
 
     return quant.packed_4bit(quantized) if lora_A.shape[0] <= quant.MAX_RANK else None
