@@ -45,6 +45,20 @@ def test_fsdp2_and_ddp_on_two_gpus():
 
 
 @posix
+def test_bf16_mixed_precision_trains_like_float32():
+    """Under FSDP2's bf16 ``MixedPrecisionPolicy`` flashdora's loss curve stays with the float32 run's where PEFT's
+    DoRA lags behind it (``tests/mp_worker.py``: two ranks, 12 steps; the worker checks both)."""
+    out = _run(str(ROOT / "tests" / "mp_worker.py"))
+    assert "OK mixed-precision" in out, out
+
+
+@pytest.mark.gpu2
+def test_bf16_mixed_precision_on_two_gpus():
+    out = _run(str(ROOT / "tests" / "mp_worker.py"), "--device", "cuda")
+    assert "OK mixed-precision" in out, out
+
+
+@posix
 def test_fsdp2_example_runs_as_written():
     out = _run(str(ROOT / "examples" / "fsdp2_train.py"), "--device", "cpu", "--steps", "2", "--checkpointing")
     losses = [float(m) for m in re.findall(r"^step \d+: loss ([0-9.]+)", out, re.M)]

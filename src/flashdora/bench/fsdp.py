@@ -11,8 +11,9 @@ tokens, gradient checkpointing on unless ``--no-checkpointing``. ``--meta`` buil
 bfloat16 base, float32 adapters, autocast with ``--mp off``), shards, and fills each rank's shards with random values
 (the magnitude with the rows' norms of ``W``): for models too large for one GPU. The first step is reported on its
 own (``first_s``: Triton compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over
-the ranks. Every step's loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row
-(``--mp both --lr 1e-3`` shows what bf16 parameters do to each mode's training). The result files are rewritten after
+the ranks. Every step's loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row,
+and with ``--mp both`` each row's gap to PEFT DoRA's loss without a policy (what bf16 parameters do to each mode's
+training; the Markdown gives the largest and the last gap). The result files are rewritten after
 every row, and a launch past ``--row-timeout`` is stopped and recorded as an error.
 """
 
@@ -129,7 +130,28 @@ def render_markdown(result: dict) -> str:
         ])  # fmt: skip
     columns = ["preset", "r", "mp", "mode", "step ms", "vs peft_lora", "peft_dora / this", "peak GiB per GPU",
                "first step s", "norms per step", "last loss", "error"]  # fmt: skip
-    return record.header(result, "flashdora bench fsdp") + "\n\n" + record.table(columns, rows) + "\n"
+    text = record.header(result, "flashdora bench fsdp") + "\n\n" + record.table(columns, rows) + "\n"
+    gaps = _gaps(recs)
+    if gaps:
+        text += ("\nLoss against PEFT DoRA's row without a policy (mp off), step by step from the first: the "
+                 "largest and the last absolute gap.\n\n")  # fmt: skip
+        rows = [
+            [rec["r"], rec.get("mp", "bf16"), rec["mode"], f"{max(map(abs, gap)):.4f}", f"{abs(gap[-1]):.4f}"]
+            for rec, gap in gaps
+        ]
+        text += record.table(["r", "mp", "mode", "largest gap", "last gap"], rows) + "\n"
+    return text
+
+
+def _gaps(recs: list) -> list:
+    """``(row, [loss - reference per step])`` for each row with a reference: PEFT DoRA's row of the same r without a
+    policy (``mp off``: float32 parameters; with ``--meta``, float32 adapters under bf16 autocast)."""
+    refs = {r["r"]: r["losses"] for r in recs if r["mode"] == "peft_dora" and r.get("mp") == "off" and r.get("losses")}
+    return [
+        (rec, [a - b for a, b in zip(rec["losses"], refs[rec["r"]])])
+        for rec in recs
+        if rec["r"] in refs and rec.get("losses") and not (rec["mode"] == "peft_dora" and rec.get("mp") == "off")
+    ]
 
 
 def render_png(result: dict, path) -> None:
@@ -143,12 +165,20 @@ def render_png(result: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     ranks = sorted({r["r"] for r in recs})
-    fig, axes = plt.subplots(1, len(ranks), figsize=(6 * len(ranks), 4), squeeze=False)
+    gaps = _gaps(recs)
+    fig, axes = plt.subplots(2 if gaps else 1, len(ranks), figsize=(6 * len(ranks), 8 if gaps else 4), squeeze=False)
     for ax, rank in zip(axes[0], ranks):
         for rec in (r for r in recs if r["r"] == rank):
             style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
             ax.plot(range(len(rec["losses"])), rec["losses"], style, label=f"{rec['mode']} (mp {rec.get('mp')})")
         ax.set(title=f"r = {rank}", xlabel="step", ylabel="loss (mean over ranks)")
+        ax.legend(fontsize=8)
+    for ax, rank in zip(axes[1] if gaps else (), ranks):
+        for rec, gap in (g for g in gaps if g[0]["r"] == rank):
+            style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
+            ax.plot(range(len(gap)), gap, style, label=f"{rec['mode']} (mp {rec.get('mp')})")
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.set(title=f"r = {rank}: loss - PEFT DoRA's without a policy", xlabel="step", ylabel="loss gap")
         ax.legend(fontsize=8)
     fig.suptitle(f"flashdora bench fsdp: {result['device'].get('name', '')}", fontsize=10)
     fig.tight_layout()
