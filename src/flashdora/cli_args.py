@@ -301,6 +301,13 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
     p.add_argument(
+        "--lora-init",
+        choices=("random", "peft"),
+        default="random",
+        help="random: a random non-zero lora_B (the adapter term is already large); peft: PEFT's default, lora_B "
+        "zero (the adapter term starts at zero, as a user's fine-tuning does) (default: %(default)s)",
+    )
+    p.add_argument(
         "--row-timeout",
         type=float,
         default=1800.0,

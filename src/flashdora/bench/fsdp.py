@@ -3,18 +3,19 @@
 ``run(args)`` (the CLI) starts ``--nproc`` ranks with ``torch.distributed.run`` on this module (``worker``), one
 launch for every (rank, mode) row, and writes the result JSON and Markdown. Each row builds the model from its config
 with random weights on every rank (float32, so that FSDP2 keeps float32 shards), wraps it with PEFT (LoRA or DoRA on
-every linear projection, ``lora_alpha = r``, random non-zero ``lora_B``), shards every decoder layer and the root
-with ``fully_shard`` (``--mp bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``off``:
-none; ``both``: each row twice), enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps``
-steps: forward, backward, AdamW step (``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq``
-tokens, gradient checkpointing on unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a
-bfloat16 base, float32 adapters, autocast with ``--mp off``), shards, and fills each rank's shards with random values
-(the magnitude with the rows' norms of ``W``): for models too large for one GPU. The first step is reported on its
-own (``first_s``: Triton compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over
-the ranks. Every step's loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row,
-and with ``--mp both`` each row's gap to PEFT DoRA's loss without a policy (what bf16 parameters do to each mode's
-training; the Markdown gives the largest and the last gap). The result files are rewritten after
-every row, and a launch past ``--row-timeout`` is stopped and recorded as an error.
+every linear projection, ``lora_alpha = r``, a random non-zero ``lora_B``, or PEFT's zero one with ``--lora-init
+peft``), shards every decoder layer and the root with ``fully_shard`` (``--mp bf16``:
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``off``: none; ``both``: each row twice),
+enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps`` steps: forward, backward, AdamW step
+(``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq`` tokens, gradient checkpointing on
+unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a bfloat16 base, float32 adapters,
+autocast with ``--mp off``), shards, and fills each rank's shards with random values (the magnitude with the rows'
+norms of ``W``): for models too large for one GPU. The first step is reported on its own (``first_s``: Triton
+compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over the ranks. Every step's
+loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row, and with ``--mp both``
+each row's gap to PEFT DoRA's loss without a policy (what bf16 parameters do to each mode's training; the Markdown
+gives the largest and the last gap). The result files are rewritten after every row, and a launch past
+``--row-timeout`` is stopped and recorded as an error.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def run(args) -> int:
     protocol = {"ranks": nproc, "mixed_precision": {"bf16": "bf16 params, fp32 reduce", "off": "off",
                 "both": "each row with bf16 params (fp32 reduce) and without"}[args.mp],
                 "checkpointing": not args.no_checkpointing, "optimizer": f"AdamW (foreach), lr {args.lr:g}",
+                "lora_B": "zero (PEFT's default)" if args.lora_init == "peft" else "random",
                 "init": "meta device, then random shards (bf16 base, fp32 adapters)" if args.meta
                 else "float32 model on every rank, then sharded", "row_timeout_s": args.row_timeout}  # fmt: skip
     result = record.new_result("fsdp", device, protocol, vars(args))
@@ -110,7 +112,7 @@ def _rewrite(paths: dict, result: dict) -> None:
 
 def _options(args) -> dict:
     keys = ("preset", "layers", "seq", "batch", "reps", "warmup", "no_checkpointing", "seed", "lr", "meta")
-    return {k: getattr(args, k) for k in keys}
+    return {k: getattr(args, k) for k in (*keys, "lora_init")}
 
 
 def render_markdown(result: dict) -> str:
@@ -186,10 +188,10 @@ def render_png(result: dict, path) -> None:
     plt.close(fig)
 
 
-def _fill_shards(model, seed: int) -> None:
+def _fill_shards(model, seed: int, lora_init: str = "random") -> None:
     """Random values in each rank's shards after ``to_empty`` (``--meta``): weights ``N(0, 0.02)``, ``lora_A``
-    ``N(0, 1/d_in)``, ``lora_B`` ``N(0, 0.01)``, norm weights 1, each magnitude the norms of its ``W`` rows (FSDP2
-    shards ``W`` and the magnitude by the same rows)."""
+    ``N(0, 1/d_in)``, ``lora_B`` ``N(0, 0.01)`` (``lora_init="peft"``: zero), norm weights 1, each magnitude the
+    norms of its ``W`` rows (FSDP2 shards ``W`` and the magnitude by the same rows)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -206,6 +208,8 @@ def _fill_shards(model, seed: int) -> None:
                 t.fill_(1.0)
             elif "lora_A" in name:
                 t.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+            elif "lora_B" in name and lora_init == "peft":
+                t.zero_()
             elif "lora_B" in name:
                 t.normal_(0.0, 0.01, generator=g)
             else:
@@ -245,7 +249,8 @@ def _build(opts: dict, device):
         dtype = torch.bfloat16 if meta else torch.float32
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         lora = LoraConfig(r=opts["rank"], lora_alpha=opts["rank"], target_modules=TARGETS,
-                          use_dora=opts["mode"] != "peft_lora", init_lora_weights=False)  # fmt: skip
+                          use_dora=opts["mode"] != "peft_lora",
+                          init_lora_weights=opts.get("lora_init", "random") == "peft")  # fmt: skip
         model = get_peft_model(model, lora)  # (float32 adapters on a bfloat16 base: PEFT's autocast_adapter_dtype)
     if not opts["no_checkpointing"]:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -256,7 +261,7 @@ def _build(opts: dict, device):
     fully_shard(model, **kwargs)
     if meta:
         model.to_empty(device=device)
-        _fill_shards(model, opts["seed"] + 7919 * int(os.environ.get("RANK", 0)))
+        _fill_shards(model, opts["seed"] + 7919 * int(os.environ.get("RANK", 0)), opts.get("lora_init", "random"))
     if opts["mode"] == "flashdora":
         flashdora.enable(model)
     return model
