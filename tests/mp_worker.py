@@ -9,9 +9,10 @@ each rank on its own sequence, three times from the same weights and data:
 - ``flashdora``: the same, with ``flashdora.enable``.
 
 Rank 0 prints the three loss curves as one JSON line (``losses {...}``) and checks that flashdora's curve stays with
-the reference (largest gap under a quarter of PEFT's) while PEFT's moves away from it by more than 1e-3: PEFT adds
-each layer's small adapter term to the bf16 base output in bf16 and rounds most of the early updates away;
-flashdora's compose rounds once, from float32 (docs/benchmarks.md, "bf16 MixedPrecisionPolicy").
+the reference (largest gap under a quarter of PEFT's) while PEFT's moves away from it by more than 1e-3. PEFT's bf16
+``g - 1`` is mostly zero and its bf16 ``base + adapter term`` rounds the early updates away; flashdora keeps ``g - 1``
+in float32 and rounds the output once (docs/benchmarks.md, "FSDP2's bf16 MixedPrecisionPolicy"). A compose that
+dropped ``g - 1`` fails here: with ``g`` forced to 1 flashdora's gap was PEFT's.
 """
 
 from __future__ import annotations
