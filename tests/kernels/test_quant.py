@@ -35,6 +35,7 @@ CASES = [  # (d_out, d_in, r, quant type, double quantization, blocksize, dtype)
     pytest.param(33, 256, 17, "fp4", True, 128, torch.float16, id="fp4-dq-b128-fp16"),
     pytest.param(33, 128, 5, "nf4", True, 32, torch.float16, id="nf4-dq-b32-fp16"),
     pytest.param(33, 256, 17, "nf4", True, 128, torch.float16, id="nf4-dq-b128-fp16"),
+    pytest.param(24, 128, 140, "nf4", False, 64, torch.bfloat16, id="nf4-r140-two-column-blocks"),
     pytest.param(4096, 4096, 64, "nf4", True, 64, torch.bfloat16, id="4096-r64-nf4-dq", marks=pytest.mark.gpu),
     pytest.param(14336, 4096, 384, "nf4", False, 64, torch.bfloat16, id="14336-r384-nf4", marks=pytest.mark.gpu),
     pytest.param(4096, 14336, 16, "nf4", True, 64, torch.float16, id="4096x14336-r16-nf4-dq", marks=pytest.mark.gpu),
@@ -82,3 +83,16 @@ def test_packed_declines_what_it_does_not_cover():
     assert packed_4bit(_layer(8, 64, "nf4", False, 64, torch.float32, "cpu")) is None
     assert packed_4bit(_layer(8, 96, "nf4", False, 64, torch.bfloat16, "cpu")) is None  # 96 % 64: blocks cross rows
     assert packed_4bit(torch.nn.Linear(64, 8)) is None
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_dequantized_is_pefts_dequantization(nested):
+    """``layers.dequantized`` calls bitsandbytes directly for 4-bit weights: the same tensor PEFT's
+    ``dequantize_module_weight`` gives (and so the weight the layer's forward uses)."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    from flashdora.layers import dequantized
+
+    layer = _layer(8, 128, "nf4", nested, 64, torch.bfloat16, "cpu")
+    got, want = dequantized(layer), dequantize_module_weight(layer)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

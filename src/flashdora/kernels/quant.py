@@ -21,9 +21,9 @@ from flashdora.kernels import configs, launcher
 _BLOCK_M = 64 if not configs.INTERPRETED else 16
 
 # The largest rank read from the packed bytes: one tile of C then spans all of r, so each tile of W is dequantized
-# once. Above it a tile would be dequantized again for every slice of r; there the dequantized weight and cuBLAS's
-# GEMM are faster (8B shape, r = 384, one H200: the training step took 1.8x QLoRA's read from the bytes in slices of
-# 64).
+# once. Above it each column block of C dequantizes its tiles of W again; there the dequantized weight and cuBLAS's
+# GEMM are faster (8B shape, r = 384, one H100, the training step: 1.48-1.54x QLoRA's read from the bytes in three
+# column blocks, 1.15x from the dequantized weight; docs/benchmarks.md).
 MAX_RANK = 128
 
 
