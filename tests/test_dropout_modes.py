@@ -91,6 +91,27 @@ def test_adapter_mode_differs_from_exact_in_training():
     assert (outs[0] - outs[1]).abs().max() > 1e-3
 
 
+def test_adapter_mode_under_autocast_drops_out_the_16bit_input():
+    """Under autocast with float32 adapters PEFT casts a bf16 input to float32 before its dropout (and autocast casts
+    it back for the matmul); the adapter mode keeps the bf16 input (no round trip), the exact form keeps PEFT's cast.
+    The output is the adapter formula's with the mask the dropout drew."""
+    seen = {}
+    for mode in ("exact", "adapter"):
+        model, layer = _layer(torch.float32)
+        flashdora.enable(model, dropout=mode)
+        model.train()
+        drop = layer.lora_dropout["default"]
+        drop.register_forward_hook(lambda mod, args, out, mode=mode: seen.update({mode: (args[0].dtype, out)}))
+        x = torch.randn(3, 5, 24).bfloat16()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert seen["exact"][0] == torch.float32 and seen["adapter"][0] == torch.bfloat16
+    lx = seen["adapter"][1]
+    ref = _adapter_reference(copy.deepcopy(layer).double(), x.double(), lx.double())
+    assert (out.double() - ref).abs().max() / ref.abs().max() < 3e-2  # (bf16 matmuls under autocast)
+
+
 def test_exact_mode_is_peft_in_training():
     """The default keeps PEFT's function with dropout: the same output and gradients as PEFT's DoRA, same masks."""
     model = llama(dropout=0.2)

@@ -121,7 +121,10 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
     Under autocast PEFT casts a 16-bit ``x`` to the fp32 adapters' dtype and autocast casts it straight back for
     the LoRA matmuls: a round trip that costs a cast each way in forward and backward. On layers whose active
     adapters all run flashdora without an active dropout, flashdora takes ``x`` as it is (the values the matmuls see
-    are the same, bit for bit). Elsewhere (dropout in training, other adapters, no autocast) PEFT's cast runs.
+    are the same, bit for bit). So it does with an active dropout in ``dropout="adapter"`` mode: the dropout then
+    runs on the 16-bit ``x`` (on CUDA the same values as on the float32 copy, for a given mask: the kernel scales in
+    float32; on the CPU the scale ``1 / (1 - p)`` is rounded to the 16-bit dtype first). Elsewhere (the exact
+    form's dropout in training, other adapters, no autocast) PEFT's cast runs.
     """
     if (
         x is not None
@@ -139,7 +142,7 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
                 continue
             if not _runs_flashdora(type(variants_[adapter])):
                 break
-            if training and not isinstance(dropouts[adapter], nn.Identity):
+            if training and not isinstance(dropouts[adapter], nn.Identity) and dropout_mode(self) != "adapter":
                 break
         else:
             return x
