@@ -31,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import flashdora
 
 CONFIG = dict(
-    hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4, vocab_size=2048,
+    hidden_size=1024, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,
     num_hidden_layers=1, use_cache=False,
 )  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
