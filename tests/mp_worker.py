@@ -29,12 +29,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashdora
+from flashdora.bench.model import TARGETS
 
 CONFIG = dict(
     hidden_size=1024, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,
     num_hidden_layers=1, use_cache=False,
 )  # fmt: skip
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def train(run: str, steps: int, device: torch.device) -> list[float]:

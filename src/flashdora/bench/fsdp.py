@@ -169,19 +169,23 @@ def render_png(result: dict, path) -> None:
     ranks = sorted({r["r"] for r in recs})
     gaps = _gaps(recs)
     fig, axes = plt.subplots(2 if gaps else 1, len(ranks), figsize=(6 * len(ranks), 8 if gaps else 4), squeeze=False)
+
+    def curve(ax, rec, values):  # bf16 rows solid, the others dashed
+        style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
+        ax.plot(range(len(values)), values, style, label=f"{rec['mode']} (mp {rec.get('mp')})")
+
     for ax, rank in zip(axes[0], ranks):
         for rec in (r for r in recs if r["r"] == rank):
-            style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
-            ax.plot(range(len(rec["losses"])), rec["losses"], style, label=f"{rec['mode']} (mp {rec.get('mp')})")
+            curve(ax, rec, rec["losses"])
         ax.set(title=f"r = {rank}", xlabel="step", ylabel="loss (mean over ranks)")
         ax.legend(fontsize=8)
     for ax, rank in zip(axes[1] if gaps else (), ranks):
-        for rec, gap in (g for g in gaps if g[0]["r"] == rank):
-            style = "-" if rec.get("mp", "bf16") == "bf16" else "--"
-            ax.plot(range(len(gap)), gap, style, label=f"{rec['mode']} (mp {rec.get('mp')})")
+        mine = [(rec, gap) for rec, gap in gaps if rec["r"] == rank]
+        for rec, gap in mine:
+            curve(ax, rec, gap)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set(title=f"r = {rank}: loss - PEFT DoRA's without a policy", xlabel="step", ylabel="loss gap")
-        if any(g[0]["r"] == rank for g in gaps):  # (a rank without PEFT DoRA's mp-off row has no gaps to plot)
+        if mine:  # (a rank without PEFT DoRA's mp-off row has no gaps to plot)
             ax.legend(fontsize=8)
     fig.suptitle(f"flashdora bench fsdp: {result['device'].get('name', '')}", fontsize=10)
     fig.tight_layout()
@@ -245,13 +249,13 @@ def _build(opts: dict, device):
         config.num_hidden_layers = opts["layers"]
     config.use_cache = False
     torch.manual_seed(opts["seed"])  # the same weights on every rank
-    meta = opts.get("meta", False)
+    meta, lora_init = opts.get("meta", False), opts.get("lora_init", "random")
     with torch.device("meta" if meta else device):
         dtype = torch.bfloat16 if meta else torch.float32
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         lora = LoraConfig(r=opts["rank"], lora_alpha=opts["rank"], target_modules=TARGETS,
                           use_dora=opts["mode"] != "peft_lora",
-                          init_lora_weights=opts.get("lora_init", "random") == "peft")  # fmt: skip
+                          init_lora_weights=lora_init == "peft")  # fmt: skip
         model = get_peft_model(model, lora)  # (float32 adapters on a bfloat16 base: PEFT's autocast_adapter_dtype)
     if not opts["no_checkpointing"]:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -262,7 +266,7 @@ def _build(opts: dict, device):
     fully_shard(model, **kwargs)
     if meta:
         model.to_empty(device=device)
-        _fill_shards(model, opts["seed"] + 7919 * int(os.environ.get("RANK", 0)), opts.get("lora_init", "random"))
+        _fill_shards(model, opts["seed"] + 7919 * int(os.environ.get("RANK", 0)), lora_init)
     if opts["mode"] == "flashdora":
         flashdora.enable(model)
     return model
