@@ -87,7 +87,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         return _fallback(
             reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
         )
-    quantized = _bnb(base)  # the cache keys on the packed weight; a miss reads its bytes or its dequantized copy
+    quantized = _bnb(base)  # the cache keys on the packed weight; a miss dequantizes it
     if quantized and torch.compiler.is_compiling():
         return _fallback("quantized:compile", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
     weight = weight.T if module.fan_in_fan_out else weight

@@ -5,8 +5,7 @@
 // its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
 // launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's dtype,
 // G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue kernel,
-// then the scales kernel. Bit for bit the Python path's result (the same ops and kernels). A bitsandbytes 4-bit
-// weight (`norm_scales_4bit`) takes kernels/quant.py's cross-term kernel, read from its packed bytes, for the GEMM.
+// then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
 
 #include <torch/extension.h>
 
@@ -26,7 +25,6 @@ struct NormPlan {
   int64_t block_j = 0;      // the epilogue's r-slice (grid y)
   int64_t block_m = 0;      // its tuned BLOCK_M (grid x)
   Plan epilogue, scales;
-  Plan cross;               // a 4-bit weight's cross term (kernels/quant.py), block_m x block_n tiles of C
   int64_t misses = 0;       // calls that found no plan (function 0)
 };
 
@@ -47,11 +45,27 @@ std::vector<int64_t> norm_key(const at::Tensor& weight, const at::Tensor& lora_A
 constexpr int64_t kChunkElements = 16 * 1024 * 1024;  // kernels/norm_gemm.py _CHUNK_ELEMENTS
 constexpr int64_t kScalesBlock = 1024;                // kernels/norm.py _SCALES_BLOCK
 
+// The epilogue and the scales kernel from C = W a^T and G = a a^T: (norm, scales).
 py::object finish(const NormPlan& plan, const at::Tensor& c, int64_t stride_cm, int64_t stride_cj,
                   const at::Tensor& g, const at::Tensor& lora_B, const at::Tensor& m, const at::Tensor& w_sq,
-                  double scaling, void* stream);
+                  double scaling, void* stream) {
+  const int64_t d_out = lora_B.size(0), r = lora_B.size(1);
+  const int64_t n_part = cdiv(r, plan.block_j);
+  at::Tensor part = at::empty({n_part, d_out}, w_sq.options());
+  launch(plan.epilogue,
+         {ptr(c), ptr(lora_B), ptr(g), ptr(w_sq), ptr(part), integer(d_out), integer(r),
+          Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling}, integer(stride_cm),
+          integer(stride_cj), integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(part.stride(0))},
+         cdiv(d_out, plan.block_m), cdiv(r, plan.block_j), stream);
+  at::Tensor both = at::empty({4, d_out}, w_sq.options());
+  at::Tensor norm = both.select(0, 0), scales = both.narrow(0, 1, 3);
+  launch(plan.scales,
+         {ptr(part), ptr(m), ptr(norm), ptr(scales), integer(n_part), integer(d_out), integer(scales.stride(0))},
+         cdiv(d_out, kScalesBlock), 1, stream);
+  return py::make_tuple(norm, scales);
+}
 
-// The checks both entries make on the adapters and ||W||^2; the contiguous magnitude, or an undefined tensor.
+// The checks on the adapters and ||W||^2; the contiguous magnitude, or an undefined tensor.
 at::Tensor checked_magnitude(const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& magnitude,
                              const at::Tensor& w_sq) {
   if (lora_A.dim() != 2 || lora_B.dim() != 2 || magnitude.dim() != 1) return at::Tensor();
@@ -94,97 +108,6 @@ py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const
   return finish(plan, c, stride_cm, stride_cj, g, lora_B, m, w_sq, scaling, stream);
 }
 
-// The epilogue and the scales kernel from C = W a^T and G = a a^T: (norm, scales).
-py::object finish(const NormPlan& plan, const at::Tensor& c, int64_t stride_cm, int64_t stride_cj,
-                  const at::Tensor& g, const at::Tensor& lora_B, const at::Tensor& m, const at::Tensor& w_sq,
-                  double scaling, void* stream) {
-  const int64_t d_out = lora_B.size(0), r = lora_B.size(1);
-  const int64_t n_part = cdiv(r, plan.block_j);
-  at::Tensor part = at::empty({n_part, d_out}, w_sq.options());
-  launch(plan.epilogue,
-         {ptr(c), ptr(lora_B), ptr(g), ptr(w_sq), ptr(part), integer(d_out), integer(r),
-          Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling}, integer(stride_cm),
-          integer(stride_cj), integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(part.stride(0))},
-         cdiv(d_out, plan.block_m), cdiv(r, plan.block_j), stream);
-  at::Tensor both = at::empty({4, d_out}, w_sq.options());
-  at::Tensor norm = both.select(0, 0), scales = both.narrow(0, 1, 3);
-  launch(plan.scales,
-         {ptr(part), ptr(m), ptr(norm), ptr(scales), integer(n_part), integer(d_out), integer(scales.stride(0))},
-         cdiv(d_out, kScalesBlock), 1, stream);
-  return py::make_tuple(norm, scales);
-}
-
-// A 4-bit weight's key: its packing's constants and the dense dtype instead of the weight tensor's.
-std::vector<int64_t> norm_key_4bit(const at::Tensor& q, int64_t d_out, int64_t d_in, bool bf16, int64_t blocksize,
-                                   int64_t blocksize2, bool nested, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                                   const at::Tensor& magnitude) {
-  return {-4, q.get_device(), d_out, d_in, lora_A.size(0), bf16, blocksize, blocksize2, nested,
-          static_cast<int64_t>(lora_A.scalar_type()), static_cast<int64_t>(lora_B.scalar_type()),
-          static_cast<int64_t>(magnitude.scalar_type()), lora_B.stride(0), lora_B.stride(1)};
-}
-
-// `norm_scales` for a bitsandbytes 4-bit weight read from its bytes (kernels/quant.py `Packed4bit.native_args`):
-// the cross term is the Triton kernel of kernels/quant.py instead of a cuBLAS GEMM, C as [d_out, r].
-py::object norm_scales_4bit(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
-                            const at::Tensor& absmax2, const at::Tensor& code2, const at::Tensor& offset,
-                            int64_t d_out, int64_t d_in, bool bf16, int64_t blocksize, int64_t blocksize2, bool nested,
-                            const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& magnitude,
-                            const at::Tensor& w_sq, double scaling) {
-  if (!q.is_cuda()) return py::none();
-  const at::Tensor m = checked_magnitude(lora_A, lora_B, magnitude, w_sq);
-  if (!m.defined()) return py::none();
-  const int64_t r = lora_A.size(0);
-  if (d_out == 0 || d_in == 0 || r == 0 || lora_A.size(1) != d_in || lora_B.size(0) != d_out ||
-      d_out > kChunkElements / r || d_out % 4 != 0) {
-    return py::none();
-  }
-  for (const at::Tensor* p : {&q, &absmax, &code, &absmax2, &code2, &offset}) {
-    if (!aligned(*p)) return py::none();  // the plan's kernel was compiled for 16-byte aligned pointers
-  }
-  NormPlan& plan = norm_plans()[norm_key_4bit(q, d_out, d_in, bf16, blocksize, blocksize2, nested, lora_A, lora_B,
-                                              magnitude)];
-  if (plan.cross.function == 0) {
-    if (++plan.misses > kMaxMisses) return py::none();
-    return py::bool_(false);
-  }
-
-  at::NoGradGuard no_grad;
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  void* stream = current_stream(q.device());
-  at::Tensor a = lora_A.to(bf16 ? at::kBFloat16 : at::kHalf);
-  if (!a.is_contiguous()) a = a.contiguous();
-  if (!aligned(a)) return py::none();
-  const at::Tensor g = at::mm(a, a.t(), at::kFloat);
-  at::Tensor c = at::empty({d_out, r}, w_sq.options());
-  launch(plan.cross,
-         {ptr(q), ptr(absmax), ptr(code), ptr(a), ptr(c), ptr(absmax2), ptr(code2), ptr(offset), integer(d_out),
-          integer(d_in), integer(r), integer(0), integer(r), integer(1)},
-         cdiv(d_out, plan.cross.block_m), cdiv(r, plan.cross.block_n), stream);
-  return finish(plan, c, r, 1, g, lora_B, m, w_sq, scaling, stream);
-}
-
-void register_norm_4bit(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
-                        const at::Tensor& absmax2, const at::Tensor& code2, const at::Tensor& offset, int64_t d_out,
-                        int64_t d_in, bool bf16, int64_t blocksize, int64_t blocksize2, bool nested,
-                        const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& magnitude,
-                        int64_t block_j, int64_t block_m, int64_t e_function, int64_t e_warps, int64_t e_shared,
-                        std::string e_types, std::vector<int64_t> e_keep, int64_t s_function, int64_t s_warps,
-                        int64_t s_shared, std::string s_types, std::vector<int64_t> s_keep, int64_t c_function,
-                        int64_t c_warps, int64_t c_shared, std::string c_types, std::vector<int64_t> c_keep,
-                        int64_t c_block_m, int64_t c_block_n) {
-  TORCH_CHECK(e_function != 0 && s_function != 0 && c_function != 0,
-              "flashdora.native: register_norm_4bit needs loaded kernels");
-  TORCH_CHECK(block_j > 0 && block_m > 0 && c_block_m > 0 && c_block_n > 0,
-              "flashdora.native: register_norm_4bit needs positive blocks");
-  NormPlan& plan = norm_plans()[norm_key_4bit(q, d_out, d_in, bf16, blocksize, blocksize2, nested, lora_A, lora_B,
-                                              magnitude)];
-  plan.block_j = block_j;
-  plan.block_m = block_m;
-  plan.epilogue = Plan{e_function, e_warps, e_shared, 0, 0, 1, std::move(e_types), std::move(e_keep)};
-  plan.scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
-  plan.cross = Plan{c_function, c_warps, c_shared, c_block_m, c_block_n, 1, std::move(c_types), std::move(c_keep)};
-}
-
 // File the plan of `norm_scales` for layers like this one (kernels/norm.py `native_plan`).
 void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, bool transposed, int64_t block_j, int64_t block_m,
@@ -209,9 +132,6 @@ void add_norm(pybind11::module_& m) {
   m.def("norm_scales", &norm_scales,
         "a norm cache miss's (norm, scales) on the Triton path: a tuple, None (not taken) or False (no plan yet)");
   m.def("register_norm", &register_norm, "file norm_scales' launch plans for layers like this one");
-  m.def("norm_scales_4bit", &norm_scales_4bit,
-        "norm_scales for a bitsandbytes 4-bit weight, its cross term read from the packed bytes");
-  m.def("register_norm_4bit", &register_norm_4bit, "file norm_scales_4bit's launch plans for layers like this one");
 }
 
 }  // namespace flashdora_native

@@ -239,18 +239,13 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     """What ``flashdora.native``'s ``norm_scales`` needs to compute ``norm_and_scales`` for a layer like this one
     (16-bit ``weight``, one chunk of ``norm_gemm``: the path it takes in C++, the same launches in the same order):
     ``(transposed, BLOCK_J, epilogue's BLOCK_M, its CUfunction, warps, shared, types, kept arguments, then the scales
-    kernel's CUfunction, warps, shared, types, kept arguments)``. For a ``kernels.quant.Packed4bit``
-    (``norm_scales_4bit``) the same without ``transposed``, then the cross-term kernel's plan and blocks. ``None`` for
-    other layers, and until a Python-path call has compiled the kernels and timed the cross term's layout."""
+    kernel's CUfunction, warps, shared, types, kept arguments)``. ``None`` for other layers, and until a Python-path
+    call has compiled the kernels and timed the cross term's layout."""
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
     if weight.dtype not in _HALF or d_out > norm_gemm._CHUNK_ELEMENTS // r:
         return None
-    packed = not isinstance(weight, torch.Tensor)  # a kernels.quant.Packed4bit: C from its bytes, as [d_out, r]
-    cross = weight.plan(r) if packed else None
-    if packed and cross is None:
-        return None
-    transposed = False if packed else norm_gemm._TRANSPOSED.get((d_out, d_in, r, weight.dtype, weight.device))
+    transposed = norm_gemm._TRANSPOSED.get((d_out, d_in, r, weight.dtype, weight.device))
     if transposed is None:
         return None
     block_j = configs.norm_block_r(r)
@@ -268,6 +263,4 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     if epilogue is None or scales is None:
         return None
     config, *epilogue_launch = epilogue
-    if packed:
-        return (block_j, config["BLOCK_M"], *epilogue_launch, *scales[1:], *cross)
     return (transposed, block_j, config["BLOCK_M"], *epilogue_launch, *scales[1:])

@@ -23,7 +23,6 @@ import triton.language as tl
 
 from flashdora import backend
 from flashdora.kernels import configs, launcher
-from flashdora.kernels.quant import Packed4bit
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
 
@@ -167,8 +166,7 @@ def weight_sq(weight: torch.Tensor) -> torch.Tensor:
 
 def norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     """``[n_slices, d_out]`` float32 partial squared row norms of ``W + s B A`` for a 16-bit ``weight`` (their column
-    sums are the squared norms; ``w_sq``, ``||W||^2``, is added in slice 0). ``weight`` may be a ``Packed4bit``
-    (a bitsandbytes 4-bit weight): its cross term comes from the packed bytes.
+    sums are the squared norms; ``w_sq``, ``||W||^2``, is added in slice 0).
 
     Autocast is off inside: it would run the float32 matmuls of the CPU path in 16 bits."""
     with backend.autocast_off(weight.device.type):
@@ -178,20 +176,14 @@ def norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
 def _norm_half(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
     d_out, d_in = weight.shape
     r = lora_A.shape[0]
-    packed = type(weight) is Packed4bit
     a = lora_A.detach().to(weight.dtype)  # [r, d_in]
-    if packed and not a.is_contiguous():
-        a = a.contiguous()
     g = gram(a)
     block_j = configs.norm_block_r(r)  # fixed, not tuned: it sets the number of partial rows
     part = torch.empty((triton.cdiv(r, block_j), d_out), dtype=torch.float32, device=weight.device)
     chunk = max(1, _CHUNK_ELEMENTS // r)
     for i in range(0, d_out, chunk):
         rows = min(chunk, d_out - i)
-        if packed:  # C = W a^T from a 4-bit weight's bytes (kernels/quant.py)
-            c, stride_cm, stride_cj = weight.cross_term(a, i, rows)
-        else:  # C = W a^T, [rows, r] or transposed
-            c, stride_cm, stride_cj = _cross_term(weight[i : i + rows], a)
+        c, stride_cm, stride_cj = _cross_term(weight[i : i + rows], a)  # C = W a^T, [rows, r] or transposed
         b = lora_B[i : i + rows]
         grid = lambda meta, rows=rows: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(r, block_j))  # noqa: E731
         args = (

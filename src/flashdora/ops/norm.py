@@ -145,8 +145,7 @@ def scales_on(magnitude, norm, triton: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch.
-    ``weight`` may be a ``kernels.quant.Packed4bit`` there (``flashdora.native``'s ``norm_scales_4bit``)."""
+    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch."""
     if triton:
         from flashdora.kernels.norm import norm_and_scales
 
@@ -154,11 +153,7 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -
         mod = _native_module(weight) if w_sq is not None else None
         if mod is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
-        packed = not isinstance(weight, torch.Tensor)  # a kernels.quant.Packed4bit
-        if packed:
-            got = mod.norm_scales_4bit(*weight.native_args(), lora_A, lora_B, magnitude, w_sq, float(scaling))
-        else:
-            got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling))
+        got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling))
         if got is not None and got is not False:
             backend.count("norm:native")
             return got
@@ -167,9 +162,7 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -
             from flashdora.kernels.norm import native_plan
 
             plan = native_plan(weight, lora_A, lora_B, magnitude)
-            if plan is not None and packed:
-                mod.register_norm_4bit(*weight.native_args(), lora_A, lora_B, magnitude, *plan)
-            elif plan is not None:
+            if plan is not None:
                 mod.register_norm(weight, lora_A, lora_B, magnitude, *plan)
         return out
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)

@@ -169,8 +169,8 @@ class NormCache:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
-        miss reads a 4-bit weight's bytes where ``kernels/quant.py`` covers it (the dense weight only for a new
-        ``||W||^2``), else the dense weight the layer's forward dequantizes (freed once the norm is computed)."""
+        miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernel, then
+        cuBLAS for the cross term), freed once the norm is computed."""
         if owner is None or weight.is_meta or not cache_enabled():
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
         try:
@@ -213,32 +213,18 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps (W is not among their params)
         w_key = (key[0], _events, _steps if weight.requires_grad else 0)
         new_sq = cache.get("w_sq_key") != w_key
-        packed = None
         if quantized is None:
             triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         else:  # (a dequantized weight is never float64: the adapters decide)
             triton = backend.use_triton(lora_A, lora_B, magnitude)
-            packed = _packed(quantized, lora_A) if triton else None
-            weight = dequantized(quantized) if packed is None or new_sq else None
+            weight = dequantized(quantized)  # the 16-bit weight the layer's forward computes with, freed after
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
-        source = weight
-        if packed is not None:
-            backend.count("norm:4bit")
-            source = packed
-        cache["norm"], cache["scales"] = fresh(source, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
+        cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
         cache["norm_key"] = key
     cache["scales_key"] = full_key
     return cache["scales"]
-
-
-def _packed(quantized, lora_A):
-    """``quantized``'s 4-bit weight as ``kernels/quant.py`` reads it (on the Triton path), or ``None`` (the dense
-    path): a rank above that file's ``MAX_RANK``, or a layer it does not cover."""
-    from flashdora.kernels import quant
-
-    return quant.packed_4bit(quantized) if lora_A.shape[0] <= quant.MAX_RANK else None
 
 
 @torch.library.custom_op("flashdora::dora_scales", mutates_args=())
