@@ -117,6 +117,29 @@ def test_bench_fsdp_on_two_cpu_processes(tmp_path):
 
 
 @posix
+def test_bench_fsdp_interleave_times_every_mode_in_one_launch(tmp_path):
+    """``--interleave``: one launch per rank holding a model per mode, each timed step running every mode once; each
+    mode's row as without it (its own losses, one norm per layer per step for flashdora)."""
+    import json
+
+    cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
+           "4", "--reps", "2", "--warmup", "0", "--seq", "16", "--mp", "off", "--interleave",
+           "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stderr.count("bench fsdp: r=4 peft_lora peft_dora flashdora (mp off) on 2 ranks") == 1
+    (path,) = tmp_path.glob("*_fsdp.json")
+    result = json.loads(path.read_text())
+    rows = {r["mode"]: r for r in result["records"]}
+    assert set(rows) == {"peft_lora", "peft_dora", "flashdora"} and all(len(r["times_ms"]) == 2 for r in rows.values())
+    assert rows["flashdora"]["norms_per_step"] == 14 and rows["peft_dora"]["norms_per_step"] is None
+    assert all(len(r["losses"]) == 3 for r in rows.values())
+    # the same weights and batches: PEFT's DoRA and flashdora train alike, each on its own model
+    assert max(abs(a - b) for a, b in zip(rows["peft_dora"]["losses"], rows["flashdora"]["losses"])) < 1e-4
+    assert result["protocol"]["order"].startswith("interleaved")
+
+
+@posix
 def test_bench_fsdp_row_timeout_stops_the_ranks_and_keeps_the_rows(tmp_path):
     """A launch that runs past ``--row-timeout`` is stopped with its ranks (torchrun starts them in sessions of their
     own: none may live on) and recorded as an error; the result files are there, and the exit status is 1."""

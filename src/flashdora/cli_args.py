@@ -321,6 +321,13 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
         "and float32 adapters, for models that do not fit one GPU in float32 (llama3-70b)",
     )
     p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="one launch per rank and policy holding a model per mode, each timed step running every mode once (the "
+        "order rotated): the modes share the host's slow drifts, which a launch per mode does not; peak memory is "
+        "then each step's peak above what it started with (all models resident)",
+    )
     _common(p, results=True)
 
 

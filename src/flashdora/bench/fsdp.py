@@ -1,21 +1,23 @@
 """``flashdora bench fsdp``: a training step under PyTorch FSDP2 on several GPUs, PEFT LoRA vs PEFT DoRA vs flashdora.
 
-``run(args)`` (the CLI) starts ``--nproc`` ranks with ``torch.distributed.run`` on this module (``worker``), one
-launch for every (rank, mode) row, and writes the result JSON and Markdown. Each row builds the model from its config
-with random weights on every rank (float32, so that FSDP2 keeps float32 shards), wraps it with PEFT (LoRA or DoRA on
-every linear projection, ``lora_alpha = r``, a random non-zero ``lora_B``, or PEFT's zero one with ``--lora-init
-peft``), shards every decoder layer and the root with ``fully_shard`` (``--mp bf16``:
-``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``off``: none; ``both``: each row twice),
-enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps`` steps: forward, backward, AdamW step
-(``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq`` tokens, gradient checkpointing on
-unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a bfloat16 base, float32 adapters,
-autocast with ``--mp off``), shards, and fills each rank's shards with random values (the magnitude with the rows'
-norms of ``W``): for models too large for one GPU. The first step is reported on its own (``first_s``: Triton
-compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over the ranks. Every step's
-loss (the ranks' mean) is kept in ``losses``; with several steps the PNG plots them per row, and with ``--mp both``
-each row's gap to PEFT DoRA's loss without a policy (what bf16 parameters do to each mode's training; the Markdown
-gives the largest and the last gap). The result files are rewritten after every row, and a launch past
-``--row-timeout`` is stopped and recorded as an error.
+``run(args)`` (the CLI) starts ``--nproc`` ranks with ``torch.distributed.run`` on this module (``worker``), one launch
+for every (rank, mode) row (``--interleave``: one for every rank, holding a model per mode, each timed step running
+every mode once in a rotated order, so that the modes share the host's drifts), and writes the result JSON and
+Markdown. Each row builds the model from its config with random weights on every rank (float32, so that FSDP2 keeps
+float32 shards), wraps it with PEFT (LoRA or DoRA on every linear projection, ``lora_alpha = r``, a random non-zero
+``lora_B``, or PEFT's zero one with ``--lora-init peft``), shards every decoder layer and the root with ``fully_shard``
+(``--mp bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``off``: none; ``both``: each row
+twice), enables flashdora for the ``flashdora`` mode, and times ``--warmup`` + ``--reps`` steps: forward, backward,
+AdamW step (``--lr``), ``zero_grad``, each rank on its own ``--batch`` sequences of ``--seq`` tokens, gradient
+checkpointing on unless ``--no-checkpointing``. ``--meta`` builds on the meta device instead (a bfloat16 base, float32
+adapters, autocast with ``--mp off``), shards, and fills each rank's shards with random values (the magnitude with the
+rows' norms of ``W``): for models too large for one GPU. The first step is reported on its own (``first_s``: Triton
+compilation and tuning included). Peak memory is the largest ``max_memory_allocated`` over the ranks (with
+``--interleave``, the largest of each mode's steps above what the step started with). Every step's loss (the ranks'
+mean) is kept in ``losses``; with several steps the PNG plots them per row, and with ``--mp both`` each row's gap to
+PEFT DoRA's loss without a policy (what bf16 parameters do to each mode's training; the Markdown gives the largest and
+the last gap). The result files are rewritten after every row, and a launch past ``--row-timeout`` is stopped and
+recorded as an error.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ def run(args) -> int:
                 "checkpointing": not args.no_checkpointing, "optimizer": f"AdamW (foreach), lr {args.lr:g}",
                 "lora_B": "zero (PEFT's default)" if args.lora_init == "peft" else "random",
                 "init": "meta device, then random shards (bf16 base, fp32 adapters)" if args.meta
-                else "float32 model on every rank, then sharded", "row_timeout_s": args.row_timeout}  # fmt: skip
+                else "float32 model on every rank, then sharded", "row_timeout_s": args.row_timeout,
+                "order": "interleaved: one launch holding a model per mode, each timed step runs every mode once, "
+                "the order rotated step by step; peak memory above what each step started with" if args.interleave
+                else "a launch per mode"}  # fmt: skip
     result = record.new_result("fsdp", device, protocol, vars(args))
     result["records"] = rows = []
     paths = record.write(result, args.out, render_markdown, render_png)  # rewritten after every row (below)
@@ -54,15 +59,16 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in args.ranks:
             for mp in mps:
-                for mode in args.modes:
-                    out = Path(tmp) / f"{r}-{mp}-{mode}.json"
-                    opts = {**_options(args), "rank": r, "mode": mode, "mp": mp, "device": device, "out": str(out)}
-                    print(f"bench fsdp: r={r} {mode} (mp {mp}) on {nproc} ranks", file=sys.stderr, flush=True)
+                for modes in [args.modes] if args.interleave else [[mode] for mode in args.modes]:
+                    out = Path(tmp) / f"{r}-{mp}-{'-'.join(modes)}.json"
+                    opts = {**_options(args), "rank": r, "modes": modes, "mp": mp, "device": device, "out": str(out)}
+                    print(f"bench fsdp: r={r} {' '.join(modes)} (mp {mp}) on {nproc} ranks", file=sys.stderr,
+                          flush=True)  # fmt: skip
                     error = _launch(nproc, opts, args.row_timeout)
                     if error is None and out.is_file():
-                        rows.append(json.loads(out.read_text()))
+                        rows.extend(json.loads(out.read_text()))
                     else:
-                        rows.append({"r": r, "mode": mode, "mp": mp, "error": error or "no result"})
+                        rows.extend({"r": r, "mode": mode, "mp": mp, "error": error or "no result"} for mode in modes)
                     _rewrite(paths, result)  # a run stopped midway keeps the rows it finished
     print(render_markdown(json.loads(paths["json"].read_text())))
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
@@ -128,7 +134,7 @@ def render_markdown(result: dict) -> str:
         rows.append([
             rec.get("preset"), rec["r"], rec.get("mp", "bf16"), rec["mode"], this,
             None if not (this and lora) else this / lora, None if not (this and dora) else dora / this,
-            rec.get("peak_gib"), rec.get("first_s"), rec.get("norms_per_step"), losses[-1], rec.get("error", ""),
+            _peak(rec), rec.get("first_s"), rec.get("norms_per_step"), losses[-1], rec.get("error", ""),
         ])  # fmt: skip
     columns = ["preset", "r", "mp", "mode", "step ms", "vs peft_lora", "peft_dora / this", "peak GiB per GPU",
                "first step s", "norms per step", "last loss", "error"]  # fmt: skip
@@ -143,6 +149,13 @@ def render_markdown(result: dict) -> str:
         ]
         text += record.table(["r", "mp", "mode", "largest gap", "last gap"], rows) + "\n"
     return text
+
+
+def _peak(rec: dict):
+    """A row's peak memory per GPU: ``max_memory_allocated``, or with ``--interleave`` (both models resident) its
+    steps' peak above what was allocated before each, marked ``+``."""
+    extra = rec.get("peak_extra_gib")
+    return f"+{extra:.2f}" if extra is not None else rec.get("peak_gib")
 
 
 def _gaps(recs: list) -> list:
@@ -273,7 +286,9 @@ def _build(opts: dict, device):
 
 
 def worker(opts: dict) -> None:
-    """One row, on every rank of a ``torch.distributed.run`` launch; rank 0 writes ``opts["out"]``."""
+    """One launch, on every rank of a ``torch.distributed.run``: a row per mode in ``opts["modes"]`` (several:
+    ``--interleave``, each timed step running every mode once, the order rotated), written by rank 0 to
+    ``opts["out"]``."""
     import torch
     import torch.distributed as dist
 
@@ -290,62 +305,78 @@ def worker(opts: dict) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    model = _build(opts, device)
-    if cuda and opts["mode"] == "flashdora":
+    modes = opts["modes"]
+    built = {}  # a model and an optimizer per mode, all resident with --interleave
+    for mode in modes:
+        model = _build({**opts, "mode": mode}, device)
+        built[mode] = model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts["lr"])
+    if cuda and "flashdora" in modes:
         from flashdora import native
 
         native.module(wait=True)  # loaded before the steps (the parent process built it), as in the model bench
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.get("lr", 1e-5))
-    vocab = model.config.vocab_size
+    vocab = built[modes[0]][0].config.vocab_size
     g = torch.Generator().manual_seed(opts["seed"] + rank)
     ids = torch.randint(0, vocab, (opts["batch"], opts["seq"]), generator=g).to(device)
-
     autocast = opts.get("mp", "bf16") == "off" and opts.get("meta", False)  # a bf16 base with fp32 adapters
-    losses = []
+    losses = {mode: [] for mode in modes}
+    times = {mode: [] for mode in modes}
+    extra = {mode: 0.0 for mode in modes}  # (several modes: each step's peak above what was allocated before it)
 
-    def step():
+    def step(mode):
+        model, opt = built[mode]
+        dist.barrier()
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        sync()
+        times[mode].append(time.perf_counter() - start)
+        losses[mode].append(loss.detach())
+        if cuda:
+            extra[mode] = max(extra[mode], (torch.cuda.max_memory_allocated() - before) / 2**30)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
     for i in range(1 + opts["warmup"] + opts["reps"]):
         if i == 1 + opts["warmup"]:
             flashdora.reset_stats()
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
+            extra = dict.fromkeys(modes, 0.0)
+        for k in range(len(modes)):
+            step(modes[(i + k) % len(modes)])
     stats = flashdora.stats()
-    norms = (stats.get("norm:triton", 0) + stats.get("norm:eager", 0)) / opts["reps"]
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    slowest = torch.tensor(times, device=device)  # a step ends when the slowest rank's does
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    slowest = slowest.tolist()
-    mean_losses = torch.stack(losses).float()
-    dist.all_reduce(mean_losses)
-    mean_losses = (mean_losses / world).tolist()
-    if rank == 0:
-        row = {
+    rows = []
+    for mode in modes:
+        slowest = torch.tensor(times[mode], device=device)  # a step ends when the slowest rank's does
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        slowest = slowest.tolist()
+        mean_losses = torch.stack(losses[mode]).float()
+        dist.all_reduce(mean_losses)
+        mean_losses = (mean_losses / world).tolist()
+        mode_extra = torch.tensor([extra[mode]], device=device)
+        dist.all_reduce(mode_extra, op=dist.ReduceOp.MAX)
+        rows.append({
             "preset": opts["preset"] + (f"-{opts['layers']}l" if opts["layers"] else ""),
-            "r": opts["rank"], "mode": opts["mode"], "mp": opts.get("mp", "bf16"), "ranks": world,
+            "r": opts["rank"], "mode": mode, "mp": opts.get("mp", "bf16"), "ranks": world,
             "seq": opts["seq"], "batch": opts["batch"], "losses": mean_losses,
             "ms": statistics.median(slowest[1 + opts["warmup"]:]) * 1e3,
             "times_ms": [t * 1e3 for t in slowest[1 + opts["warmup"]:]],
-            "first_s": slowest[0], "peak_gib": peak.item() if cuda else None,
-            "norms_per_step": norms if opts["mode"] == "flashdora" else None,
-            "paths": sorted(k for k in stats if not k.startswith("norm")),
-        }  # fmt: skip
-        Path(opts["out"]).write_text(json.dumps(row))
-    model = opt = None
+            "first_s": slowest[0], "peak_gib": peak.item() if cuda and len(modes) == 1 else None,
+            "peak_extra_gib": mode_extra.item() if cuda and len(modes) > 1 else None,
+            "norms_per_step": (stats.get("norm:triton", 0) + stats.get("norm:eager", 0)) / opts["reps"]
+            if mode == "flashdora" else None,
+            "paths": sorted(k for k in stats if not k.startswith("norm")) if mode == "flashdora" else [],
+        })  # fmt: skip
+    if rank == 0:
+        Path(opts["out"]).write_text(json.dumps(rows))
+    built = None
     gc.collect()  # before the process group (examples/fsdp2_train.py says why)
     dist.destroy_process_group()
 
