@@ -8,11 +8,13 @@ unsharded parameters are keyed by their shards instead (``watch_fsdp``).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from flashdora.layers import base_layer
 from flashdora.ops import norm_cache
 
 
@@ -88,6 +90,7 @@ def watch_fsdp() -> None:
         if isinstance(module, fsdp):
             _take_shards(module, fsdp, DTensor)
 
+    nn.modules.module.register_module_module_registration_hook(_registered)
     fsdp_hook = nn.modules.module.register_module_forward_pre_hook(before_fsdp)
 
 
@@ -105,19 +108,50 @@ def _managed_lora_layers(root, fsdp):
         yield root
 
 
+_structure = 0  # LoRA layers registered anywhere in the process since the hooks went in (``_registered``)
+
+
+def _registered(module, name, submodule) -> None:
+    """Global module-registration hook: a LoRA layer was put into a module tree (PEFT's adapter injection, a replaced
+    layer), so every FSDP2 module finds its LoRA layers again at its next gather. (Other registrations are left
+    alone: transformers' models slice their ``ModuleList`` of decoder layers, a fresh container each forward.)"""
+    global _structure
+    if isinstance(submodule, LoraLayer):
+        _structure += 1
+
+
+def _managed(root, fsdp) -> list:
+    """``_managed_lora_layers``, kept on ``root`` from one gather to the next (weakly: a layer dropped later is not
+    kept alive) until a LoRA layer is registered anywhere in the process (``_registered``: PEFT wrapping a sharded
+    model's layers after a forward, say). This runs at every gather of every FSDP2 module, where walking the module
+    tree each time cost more host time than the rest of the hook."""
+    kept = root.__dict__.get("_flashdora_managed")
+    if kept is None or kept[0] != _structure:
+        kept = root.__dict__["_flashdora_managed"] = (
+            _structure, [weakref.ref(m) for m in _managed_lora_layers(root, fsdp)]
+        )  # fmt: skip
+    return [layer for ref in kept[1] if (layer := ref()) is not None]
+
+
 def _owners(layer):
-    """The modules holding the four tensors the norm cache keys a DoRA layer by: base, lora_A, lora_B, magnitude."""
-    mods = [layer.get_base_layer()]
-    for name in getattr(layer, "lora_magnitude_vector", {}):
-        if name in layer.lora_A and name in layer.lora_B:  # (DoRA Embedding layers keep theirs elsewhere: PEFT's code)
-            mods += [layer.lora_A[name], layer.lora_B[name], layer.lora_magnitude_vector[name]]
+    """The modules holding the four tensors the norm cache keys a DoRA layer by: base, lora_A, lora_B, magnitude
+    (read from the modules' own dicts: this runs at every gather)."""
+    mods = [base_layer(layer)]
+    sub = layer._modules
+    magnitudes, a_layers, b_layers = sub.get("lora_magnitude_vector"), sub.get("lora_A"), sub.get("lora_B")
+    if magnitudes is None or a_layers is None or b_layers is None:
+        return mods
+    a_layers, b_layers = a_layers._modules, b_layers._modules
+    for name, magnitude in magnitudes._modules.items():
+        if name in a_layers and name in b_layers:  # (DoRA Embedding layers keep theirs elsewhere: PEFT's code)
+            mods += [a_layers[name], b_layers[name], magnitude]
     return mods
 
 
 def _take_shards(module, fsdp, dtensor) -> None:
     """Before FSDP2 gathers ``module``: note each managed LoRA layer's sharded weights (a module already gathered, as
     in a checkpoint's recomputation, keeps the tags its gathered parameters carry)."""
-    for layer in _managed_lora_layers(module, fsdp):
+    for layer in _managed(module, fsdp):
         pending = [(m, p) for m in _owners(layer) if isinstance(p := m._parameters.get("weight"), dtensor)]
         if pending:
             layer.__dict__["_flashdora_pending"] = pending
