@@ -1,8 +1,10 @@
 """Several processes on the CPU (gloo): FSDP2 and DDP (``tests/dist_worker.py``), ``examples/fsdp2_train.py`` as a
 user runs it, and the FSDP2 shard tags of the norm cache in one process."""
 
+import copy
 import gc
 import math
+import pickle
 import re
 import subprocess
 import sys
@@ -281,6 +283,9 @@ def test_managed_layers_are_kept_until_a_lora_layer_is_registered():
         assert watch._managed(model, NoFsdp) == [layer]
         kept = model.__dict__["_flashdora_managed"]
         assert watch._managed(model, NoFsdp) == [layer] and model.__dict__["_flashdora_managed"] is kept
+        twin = copy.deepcopy(model)  # a copy finds its own layers (and pickles: no weak reference goes with it)
+        assert watch._managed(twin, NoFsdp) == [twin.base_model.model.proj]
+        assert pickle.loads(pickle.dumps(model)).__dict__["_flashdora_managed"].refs == []
         other, other_layer = _layer()
         model.base_model.model.proj = other_layer  # a registration: the tree changed
         assert watch._managed(model, NoFsdp) == [other_layer]

@@ -120,17 +120,32 @@ def _registered(module, name, submodule) -> None:
         _structure += 1
 
 
+class _Kept:
+    """An FSDP2 module's LoRA layers (weak references) and the ``_structure`` they were found at. Copies and pickles
+    start empty: the references name the original model's layers."""
+
+    __slots__ = ("structure", "refs")
+
+    def __init__(self, structure: int = -1, refs: list | None = None):
+        self.structure, self.refs = structure, refs or []
+
+    def __deepcopy__(self, memo):
+        return _Kept()
+
+    def __reduce__(self):
+        return _Kept, ()
+
+
 def _managed(root, fsdp) -> list:
     """``_managed_lora_layers``, kept on ``root`` from one gather to the next (weakly: a layer dropped later is not
     kept alive) until a LoRA layer is registered anywhere in the process (``_registered``: PEFT wrapping a sharded
     model's layers after a forward, say). This runs at every gather of every FSDP2 module, where walking the module
     tree each time cost more host time than the rest of the hook."""
     kept = root.__dict__.get("_flashdora_managed")
-    if kept is None or kept[0] != _structure:
-        kept = root.__dict__["_flashdora_managed"] = (
-            _structure, [weakref.ref(m) for m in _managed_lora_layers(root, fsdp)]
-        )  # fmt: skip
-    return [layer for ref in kept[1] if (layer := ref()) is not None]
+    if kept is None or kept.structure != _structure:
+        refs = [weakref.ref(m) for m in _managed_lora_layers(root, fsdp)]
+        kept = root.__dict__["_flashdora_managed"] = _Kept(_structure, refs)
+    return [layer for ref in kept.refs if (layer := ref()) is not None]
 
 
 def _owners(layer):

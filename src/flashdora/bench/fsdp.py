@@ -152,8 +152,8 @@ def render_markdown(result: dict) -> str:
 
 
 def _peak(rec: dict):
-    """A row's peak memory per GPU: ``max_memory_allocated``, or with ``--interleave`` (both models resident) its
-    steps' peak above what was allocated before each, marked ``+``."""
+    """A row's peak memory per GPU: ``max_memory_allocated``, or with ``--interleave`` (every mode's model resident)
+    its steps' peak above what was allocated before each, marked ``+``."""
     extra = rec.get("peak_extra_gib")
     return f"+{extra:.2f}" if extra is not None else rec.get("peak_gib")
 
@@ -326,7 +326,7 @@ def worker(opts: dict) -> None:
         model, opt = built[mode]
         dist.barrier()
         sync()
-        if cuda:
+        if cuda and len(modes) > 1:  # (one mode: the peak over every step, the first included)
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if cuda else 0
         start = time.perf_counter()
