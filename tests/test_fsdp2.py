@@ -141,6 +141,7 @@ def test_bench_fsdp_interleave_times_every_mode_in_one_launch(tmp_path):
     # the same weights and batches: PEFT's DoRA and flashdora train alike, each on its own model
     assert max(abs(a - b) for a, b in zip(rows["peft_dora"]["losses"], rows["flashdora"]["losses"])) < 1e-4
     assert result["protocol"]["order"].startswith("interleaved")
+    assert "| 4 | off | flashdora |" in path.with_suffix(".md").read_text().split("paired vs peft_lora")[1]
 
 
 @posix

@@ -148,7 +148,31 @@ def render_markdown(result: dict) -> str:
             for rec, gap in gaps
         ]
         text += record.table(["r", "mp", "mode", "largest gap", "last gap"], rows) + "\n"
+    paired = _paired(result)
+    if paired:
+        text += (
+            "\nInterleaved: the median over timed steps of each step's time over PEFT LoRA's step of the same "
+            "rotation (run next to it), which the host's drifts move less than a ratio of medians.\n\n"
+        )
+        text += record.table(["r", "mp", "mode", "paired vs peft_lora"], paired) + "\n"
     return text
+
+
+def _paired(result: dict) -> list:
+    """``[r, mp, mode, ratio]`` for each row of an ``--interleave`` run but PEFT LoRA's: the median over timed steps
+    of its step time over PEFT LoRA's step of the same rotation."""
+    if not result.get("protocol", {}).get("order", "").startswith("interleaved"):
+        return []
+    recs = result["records"]
+    lora = {(r["r"], r.get("mp")): r.get("times_ms") for r in recs if r["mode"] == "peft_lora"}
+    rows = []
+    for rec in recs:
+        base = lora.get((rec["r"], rec.get("mp")))
+        if rec["mode"] == "peft_lora" or not base or not rec.get("times_ms"):
+            continue
+        ratios = [t / b for t, b in zip(rec["times_ms"], base)]
+        rows.append([rec["r"], rec.get("mp"), rec["mode"], statistics.median(ratios)])
+    return rows
 
 
 def _peak(rec: dict):
