@@ -52,7 +52,10 @@ def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):
         assert min(r["round_ms"]) <= r["ms"] <= max(r["round_ms"])
         assert r["warmup_s"] == r["round_warmup_s"][0] and len(r["round_warmup_s"]) == 3
         assert r["first_ms"] == r["round_first_ms"][0] and len(r["round_first_ms"]) == 3
-    assert "each round's median ms" in files[".md"].read_text()
+    text = files[".md"].read_text()
+    assert "each round's median ms" in text and "vs peft_lora by round" in text
+    lora, flash = ([r for r in result["records"] if r["mode"] == m][0]["round_ms"] for m in ("peft_lora", "flashdora"))
+    assert " / ".join(f"{a / b:.2f}" for a, b in zip(flash, lora)) in text
 
 
 def test_model_rounds_refuse_compile():

@@ -12,6 +12,13 @@ def render_markdown(result: dict) -> str:
     """The model table, from a result JSON: time, throughput, ratios and memory per (mode, phase)."""
     recs = result["records"]
     ms = {(r["preset"], r["phase"], r["mode"]): r["ms"] for r in recs}
+    round_ms = {(r["preset"], r["phase"], r["mode"]): r.get("round_ms") for r in recs}
+
+    def by_round(r):  # each round's median over PEFT LoRA's median of the same round (run minutes apart at most)
+        this, lora = r.get("round_ms"), round_ms.get((r["preset"], r["phase"], "peft_lora"))
+        if not this or not lora or r["mode"] == "peft_lora":
+            return "-"
+        return " / ".join(f"{a / b:.2f}" for a, b in zip(this, lora))
 
     def ratio(r, mode):
         other = ms.get((r["preset"], r["phase"], mode))
@@ -29,6 +36,7 @@ def render_markdown(result: dict) -> str:
         "tokens/s",
         "vs base",
         "vs peft_lora",
+        *(["vs peft_lora by round"] if rounds else []),
         "peft_dora / this",
         "peak extra GiB",
         "first ms",
@@ -50,6 +58,7 @@ def render_markdown(result: dict) -> str:
                 r.get("tokens_per_s"),
                 ratio(r, "base"),
                 ratio(r, "peft_lora"),
+                *([by_round(r)] if rounds else []),
                 None if not r["ms"] or dora is None else dora / r["ms"],
                 r["peak_extra_gib"],
                 r.get("first_ms"),
