@@ -159,7 +159,7 @@ def test_build_layers_share_values_across_modes():
 def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):
     """``bench fsdp --mp both``: the gap table (largest and last) and the PNG's second panel row; rows of another r
     or without a reference get no gap."""
-    from flashdora.bench import fsdp
+    from flashdora.bench import fsdp_render as fsdp
 
     def row(r, mp, mode, losses):
         return {"preset": "tiny", "r": r, "mp": mp, "mode": mode, "ms": 1.0, "losses": losses}
@@ -175,3 +175,19 @@ def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):
     assert "| 4 | bf16 | flashdora | 0.0200 | 0.0100 |" in text
     fsdp.render_png(result, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_fsdp_render_pairs_interleaved_steps_with_loras():
+    """``bench fsdp --interleave``: each mode's paired ratio is the median of its steps over PEFT LoRA's steps of the
+    same rotation (not a ratio of medians); a launch-per-mode result gets no paired table."""
+    from flashdora.bench import fsdp_render
+
+    def row(mode, times):
+        return {"preset": "tiny", "r": 4, "mp": "bf16", "mode": mode, "ms": sorted(times)[1], "times_ms": times}
+
+    recs = [row("peft_lora", [10.0, 20.0, 40.0]), row("flashdora", [11.0, 30.0, 40.0])]
+    interleaved = {**record.new_result("fsdp", "cpu", {"order": "interleaved: ..."}, {}), "records": recs}
+    assert fsdp_render._paired(interleaved) == [[4, "bf16", "flashdora", 1.1]]  # ratios 1.1, 1.5, 1.0
+    assert "| 4 | bf16 | flashdora | 1.10 |" in fsdp_render.render_markdown(interleaved)
+    separate = {**record.new_result("fsdp", "cpu", {"order": "a launch per mode"}, {}), "records": recs}
+    assert fsdp_render._paired(separate) == [] and "paired vs peft_lora" not in fsdp_render.render_markdown(separate)
