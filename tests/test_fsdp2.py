@@ -1,14 +1,10 @@
 """Several processes on the CPU (gloo): FSDP2 and DDP (``tests/dist_worker.py``), ``examples/fsdp2_train.py`` as a
 user runs it, and the FSDP2 shard tags of the norm cache in one process."""
 
-import copy
-import gc
 import math
-import pickle
 import re
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -268,31 +264,3 @@ def test_shard_tags_key_a_refilled_parameter_by_its_shard():
         assert norms() == 3
     for p in _tensors(layer):
         del p._flashdora_shard
-
-
-def test_managed_layers_are_kept_until_a_lora_layer_is_registered():
-    """``watch._managed``: an FSDP2 module's LoRA layers are found once and kept from gather to gather; a LoRA layer
-    registered anywhere (PEFT wrapping layers, a replaced layer) makes the next gather find them again."""
-    from flashdora import watch
-
-    class NoFsdp:  # (no module below the root is an FSDP2 module here)
-        pass
-
-    model, layer = _layer()
-    handle = nn.modules.module.register_module_module_registration_hook(watch._registered)
-    try:
-        assert watch._managed(model, NoFsdp) == [layer]
-        kept = model.__dict__["_flashdora_managed"]
-        assert watch._managed(model, NoFsdp) == [layer] and model.__dict__["_flashdora_managed"] is kept
-        twin = copy.deepcopy(model)  # a copy finds its own layers (and pickles: no weak reference goes with it)
-        assert watch._managed(twin, NoFsdp) == [twin.base_model.model.proj]
-        assert pickle.loads(pickle.dumps(model)).__dict__["_flashdora_managed"].refs == []
-        other, other_layer = _layer()
-        model.base_model.model.proj = other_layer  # a registration: the tree changed
-        assert watch._managed(model, NoFsdp) == [other_layer]
-        old = weakref.ref(layer)
-        del layer, kept
-        gc.collect()
-        assert old() is None  # the kept list does not keep a dropped layer alive
-    finally:
-        handle.remove()

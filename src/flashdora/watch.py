@@ -8,7 +8,6 @@ unsharded parameters are keyed by their shards instead (``watch_fsdp``).
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from peft.tuners.lora.layer import LoraLayer
@@ -90,7 +89,6 @@ def watch_fsdp() -> None:
         if isinstance(module, fsdp):
             _take_shards(module, fsdp, DTensor)
 
-    nn.modules.module.register_module_module_registration_hook(_registered)
     fsdp_hook = nn.modules.module.register_module_forward_pre_hook(before_fsdp)
 
 
@@ -106,46 +104,6 @@ def _managed_lora_layers(root, fsdp):
         stack.extend(module._modules.values())
     if isinstance(root, LoraLayer):
         yield root
-
-
-_structure = 0  # LoRA layers registered anywhere in the process since the hooks went in (``_registered``)
-
-
-def _registered(module, name, submodule) -> None:
-    """Global module-registration hook: a LoRA layer was put into a module tree (PEFT's adapter injection, a replaced
-    layer), so every FSDP2 module finds its LoRA layers again at its next gather. (Other registrations are left
-    alone: transformers' models slice their ``ModuleList`` of decoder layers, a fresh container each forward.)"""
-    global _structure
-    if isinstance(submodule, LoraLayer):
-        _structure += 1
-
-
-class _Kept:
-    """An FSDP2 module's LoRA layers (weak references) and the ``_structure`` they were found at. Copies and pickles
-    start empty: the references name the original model's layers."""
-
-    __slots__ = ("structure", "refs")
-
-    def __init__(self, structure: int = -1, refs: list | None = None):
-        self.structure, self.refs = structure, refs or []
-
-    def __deepcopy__(self, memo):
-        return _Kept()
-
-    def __reduce__(self):
-        return _Kept, ()
-
-
-def _managed(root, fsdp) -> list:
-    """``_managed_lora_layers``, kept on ``root`` from one gather to the next (weakly: a layer dropped later is not
-    kept alive) until a LoRA layer is registered anywhere in the process (``_registered``: PEFT wrapping a sharded
-    model's layers after a forward, say). This runs at every gather of every FSDP2 module, where walking the module
-    tree each time cost more host time than the rest of the hook."""
-    kept = root.__dict__.get("_flashdora_managed")
-    if kept is None or kept.structure != _structure:
-        refs = [weakref.ref(m) for m in _managed_lora_layers(root, fsdp)]
-        kept = root.__dict__["_flashdora_managed"] = _Kept(_structure, refs)
-    return [layer for ref in kept.refs if (layer := ref()) is not None]
 
 
 def _owners(layer):
@@ -166,7 +124,7 @@ def _owners(layer):
 def _take_shards(module, fsdp, dtensor) -> None:
     """Before FSDP2 gathers ``module``: note each managed LoRA layer's sharded weights (a module already gathered, as
     in a checkpoint's recomputation, keeps the tags its gathered parameters carry)."""
-    for layer in _managed(module, fsdp):
+    for layer in _managed_lora_layers(module, fsdp):
         pending = [(m, p) for m in _owners(layer) if isinstance(p := m._parameters.get("weight"), dtensor)]
         if pending:
             layer.__dict__["_flashdora_pending"] = pending
