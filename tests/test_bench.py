@@ -159,21 +159,21 @@ def test_build_layers_share_values_across_modes():
 def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):
     """``bench fsdp --mp both``: the gap table (largest and last) and the PNG's second panel row; rows of another r
     or without a reference get no gap."""
-    from flashdora.bench import fsdp_render as fsdp
+    from flashdora.bench import fsdp_render
 
     def row(r, mp, mode, losses):
         return {"preset": "tiny", "r": r, "mp": mp, "mode": mode, "ms": 1.0, "losses": losses}
 
     recs = [row(4, "off", "peft_dora", [3.0, 2.0, 1.0]), row(4, "bf16", "peft_dora", [3.0, 2.5, 1.1]),
             row(4, "bf16", "flashdora", [3.0, 1.98, 1.01]), row(8, "bf16", "flashdora", [3.0, 2.0, 1.0])]  # fmt: skip
-    gaps = {(rec["mp"], rec["mode"], rec["r"]): gap for rec, gap in fsdp._gaps(recs)}
+    gaps = {(rec["mp"], rec["mode"], rec["r"]): gap for rec, gap in fsdp_render._gaps(recs)}
     assert list(gaps) == [("bf16", "peft_dora", 4), ("bf16", "flashdora", 4)]
     assert gaps[("bf16", "peft_dora", 4)] == pytest.approx([0.0, 0.5, 0.1])
     result = {**record.new_result("fsdp", "cpu", {}, {}), "records": recs}
-    text = fsdp.render_markdown(result)
+    text = fsdp_render.render_markdown(result)
     assert "| 4 | bf16 | peft_dora | 0.5000 | 0.1000 |" in text
     assert "| 4 | bf16 | flashdora | 0.0200 | 0.0100 |" in text
-    fsdp.render_png(result, tmp_path / "x.png")
+    fsdp_render.render_png(result, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0
 
 
