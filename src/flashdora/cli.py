@@ -140,6 +140,8 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
     if args._command == "bench layer" and args.interleave and args.rounds > 1:
         error(f"--interleave times the modes call by call; it takes no --rounds (got {args.rounds}): raise --reps")
     if args._command == "bench model":
+        if args.interleave and args.rounds > 1:
+            error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")
         if args.rounds > 1 and args.compile:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
         if args.compile and "decode" in args.phases:

@@ -267,6 +267,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "each row's timed steps, so that a host that speeds up or slows down during the run, or a position in the "
         "order, weighs on every mode alike (eager only)",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="hold a copy of the model per mode and time the modes step by step (every timed step runs each mode "
+        "once, the start rotated), so that the host's drifts hit every mode alike; the Markdown adds each mode's "
+        "paired ratio to PEFT LoRA. Every mode's model (and in train its optimizer state) is resident at once; "
+        "not with --rounds",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default: %(default)s)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")
     p.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off")

@@ -112,15 +112,25 @@ def build_config(args) -> tuple[str, transformers.PretrainedConfig]:
 
 
 def build_base(config, args, device) -> torch.nn.Module:
-    """The frozen bf16 model on ``device``, gradient checkpointing on, input embeddings requiring grad.
+    """The frozen bf16 model on ``device`` (``--quant``: its projections quantized), ready to wrap (``prepare``)."""
+    return prepare(build_weights(config, args, device), args)
 
-    The embedding hook lets ``base`` run a backward (activation gradients only), the floor under LoRA.
-    """
+
+def build_weights(config, args, device) -> torch.nn.Module:
+    """The bf16 model from ``config`` on ``device``, seeded, its projections quantized under ``--quant``."""
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     if getattr(args, "quant", "none") != "none":
         quantize(model, args.quant, device)
+    return model
+
+
+def prepare(model, args) -> torch.nn.Module:
+    """``model`` frozen, gradient checkpointing on (unless ``--no-checkpointing``), input embeddings requiring grad.
+
+    The embedding hook lets ``base`` run a backward (activation gradients only), the floor under LoRA.
+    """
     model.requires_grad_(False)
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -278,6 +288,14 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
     return pooled
 
 
+def _order(args) -> str:
+    if args.interleave:
+        from flashdora.bench.model_interleave import ORDER
+
+        return ORDER
+    return "as listed" if args.rounds == 1 else "alternating: every second round runs the modes reversed"
+
+
 def run(args) -> int:
     from rich.progress import Progress
 
@@ -288,9 +306,11 @@ def run(args) -> int:
         "reps": args.reps,
         "rounds": args.rounds,
         "statistic": "median" if args.rounds == 1 else "median of all rounds' timed steps (round_ms: each round's)",
-        "order": "as listed" if args.rounds == 1 else "alternating: every second round runs the modes reversed",
+        "order": _order(args),
         "timer": "cuda events" if timing.is_cuda(device) else "perf_counter",
-        "memory": "max_memory_allocated over the timed steps minus memory_allocated before them (GiB)",
+        "memory": "max_memory_allocated over the timed steps minus memory_allocated before them (GiB)"
+        if not args.interleave
+        else "each timed step's max_memory_allocated minus memory_allocated before it, the largest (GiB)",
         "dtype": args.dtype,
         "gradient_checkpointing": not args.no_checkpointing,
         "grad_accum": args.grad_accum,
@@ -337,13 +357,20 @@ def run(args) -> int:
     with Progress() as bar:
         task = bar.add_task(f"{name}: building", total=args.rounds * len(args.modes) * len(args.phases))
         t0 = time.perf_counter()
-        model = build_base(config, args, device)
-        build_s["base"] = time.perf_counter() - t0
-        for k in range(args.rounds):
-            label = name + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
-            model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s, reverse=k % 2 == 1)
-            records.append(rows)
-    records = pool_rounds(records)
+        if args.interleave:
+            from flashdora.bench.model_interleave import run_interleaved
+
+            weights = build_weights(config, args, device)
+            build_s["base"] = time.perf_counter() - t0
+            records = run_interleaved(weights, ids, args, device, base_row, bar, task, name, build_s)
+        else:
+            model = build_base(config, args, device)
+            build_s["base"] = time.perf_counter() - t0
+            for k in range(args.rounds):
+                label = name + (f", round {k + 1}/{args.rounds}" if args.rounds > 1 else "")
+                model, rows = run_round(model, ids, args, device, base_row, bar, task, label, build_s, k % 2 == 1)
+                records.append(rows)
+            records = pool_rounds(records)
     result["build_s"] = build_s
     result["records"] = records
     paths = record.write(result, args.out, render_markdown, render_png)

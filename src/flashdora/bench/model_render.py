@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from flashdora.bench import record
 
 MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")
@@ -24,7 +26,16 @@ def render_markdown(result: dict) -> str:
         other = ms.get((r["preset"], r["phase"], mode))
         return None if r["ms"] is None or not other else r["ms"] / other
 
+    times = {(r["preset"], r["phase"], r["mode"]): r.get("times_ms") for r in recs}
+
+    def paired(r):  # the median over timed steps of this step over PEFT LoRA's step of the same rotation
+        this, lora = r.get("times_ms"), times.get((r["preset"], r["phase"], "peft_lora"))
+        if not this or not lora or r["mode"] == "peft_lora" or r["ms"] is None:
+            return None
+        return statistics.median(a / b for a, b in zip(this, lora))
+
     rounds = any("round_ms" in r for r in recs)
+    interleaved = result.get("protocol", {}).get("order", "").startswith("interleaved")
     columns = [
         "preset",
         "phase",
@@ -37,6 +48,7 @@ def render_markdown(result: dict) -> str:
         "vs base",
         "vs peft_lora",
         *(["vs peft_lora by round"] if rounds else []),
+        *(["paired vs peft_lora"] if interleaved else []),
         "peft_dora / this",
         "peak extra GiB",
         "first ms",
@@ -59,6 +71,7 @@ def render_markdown(result: dict) -> str:
                 ratio(r, "base"),
                 ratio(r, "peft_lora"),
                 *([by_round(r)] if rounds else []),
+                *([paired(r)] if interleaved else []),
                 None if not r["ms"] or dora is None else dora / r["ms"],
                 r["peak_extra_gib"],
                 r.get("first_ms"),
@@ -80,6 +93,15 @@ def render_markdown(result: dict) -> str:
                 "compiles and autotuning, flashdora's norm graph captures, cuBLAS's first calls; first ms: wall time "
                 "of the first (cold) step alone.",
                 *_phase_notes(result),
+                *(
+                    [
+                        "- " + result["protocol"]["order"] + "; paired vs peft_lora: the median over "
+                        "timed steps of each step over PEFT LoRA's step of the same rotation (run next to it), which "
+                        "the host's drifts move less than a ratio of medians"
+                    ]
+                    if interleaved
+                    else []
+                ),
                 "",
                 record.table(columns, rows),
             ]

@@ -72,13 +72,18 @@ def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str)
     return times
 
 
-def measure_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, device) -> dict[str, list[float]]:
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]], *, reps: int, device, peaks: dict[str, float] | None = None
+) -> dict[str, list[float]]:
     """Milliseconds of ``reps`` calls of each of ``fns``, taken call by call: timed step ``k`` runs every callable
     once, starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before
     which, is ``fns``' own). A change of the host's load between steps then hits every callable alike, where timing
     each one's calls in a block of its own lets it land on one of them. But no callable runs right after itself, as
     a model's layers do: its host code and data start colder. No warm-up here; results are
     dropped at once.
+
+    ``peaks`` (CUDA only): filled with each callable's largest peak over its calls, in GiB above what was allocated
+    right before the call (read outside the timed span: the allocator's statistics move when the host issues work).
     """
     if reps < 1:
         raise ValueError(f"measure_interleaved: reps expected >= 1, got {reps}")
@@ -94,9 +99,15 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], *, reps: int, devi
     synchronize(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
     for name, (start, end) in zip(calls, events):
+        if peaks is not None:
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         start.record()
         fns[name]()
         end.record()
+        if peaks is not None:
+            extra = max(0, torch.cuda.max_memory_allocated(device) - before) / GIB
+            peaks[name] = max(peaks.get(name, 0.0), extra)
     torch.cuda.synchronize(device)
     for name, (start, end) in zip(calls, events):
         times[name].append(start.elapsed_time(end))

@@ -1,0 +1,125 @@
+"""``flashdora bench model --interleave``: a model per mode, all resident, every timed step running each mode once.
+
+Without it the modes run one after another on one model (``model.run_round``), each timing its steps in a block of
+its own, and a change of the host's speed between minutes (1.3-1.5x on shared machines) lands on whichever mode runs
+then. Here the base is built once and copied for each mode (``copy.deepcopy``; bitsandbytes' parameters copy their
+quantization state), each copy wrapped as ``run_round`` wraps the one model, and each phase's steps are timed call
+by call (``timing.measure_interleaved``: step ``k`` runs every mode once, starting with the ``k``-th). A row's
+``times_ms[k]`` is its call in step ``k``, so its ratio to PEFT LoRA's ``times_ms[k]`` pairs calls made next to each
+other (the Markdown's "paired vs peft_lora": the median of those ratios). The cost: every mode's model, and in
+``train`` every mode's optimizer state, resident at once.
+
+Per row: ``first_ms`` is the mode's first (cold) step alone, the modes' first steps in the listed order; ``paths``
+are the flashdora paths of that step; ``warmup_s`` the wall time of the mode's ``--warmup`` untimed calls (queue
+drained around each); ``peak_extra_gib`` the largest of its timed calls' peaks above what was allocated right
+before the call (every model resident).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+import flashdora
+from flashdora.bench import timing
+from flashdora.bench.model import _native_off, phase_row, prepare, wrap
+from flashdora.bench.model_phases import step_fn
+
+ORDER = (
+    "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "
+    "step (the cyclic order as listed); peak memory: each call's peak above what was allocated before it"
+)
+
+
+def build_models(weights, args, build_s: dict) -> dict[str, torch.nn.Module]:
+    """A prepared model per mode of ``args.modes``: copies of ``weights`` (the last mode takes ``weights`` itself),
+    wrapped and switched as ``run_round`` does; each mode's copy-and-wrap wall time into ``build_s``."""
+    models = {}
+    for i, mode in enumerate(args.modes):
+        t0 = time.perf_counter()
+        model = prepare(weights if i == len(args.modes) - 1 else copy.deepcopy(weights), args)
+        if mode != "base":
+            model = wrap(model, args, use_dora=mode != "peft_lora")
+            if mode != "peft_dora":
+                dropout = "adapter" if mode == "flashdora_adapter" else "exact"
+                flashdora.enable(model, norm_cache=mode != "flashdora_nocache", dropout=dropout)
+        models[mode] = model
+        build_s[mode] = time.perf_counter() - t0
+    return models
+
+
+def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -> list[dict]:
+    """One row per mode for ``phase``, the modes' steps timed call by call."""
+    rows = {mode: phase_row(model, base_row, mode, phase, args) for mode, model in models.items()}
+    per = args.new_tokens if phase == "decode" else 1  # decode: times per generated token
+    fns = {}
+    try:
+        for mode, model in models.items():  # each mode's first (cold) step alone, and the paths it took
+            fn = step_fn(model, ids, phase, args)
+            if mode == "flashdora_python":
+                fn = _without_native(fn)
+            fns[mode] = fn
+            flashdora.reset_stats()
+            rows[mode]["first_ms"] = _wall_ms(fn, device) / per
+            stats = flashdora.stats()  # (a compiled graph counts only its norm op's calls: "compiled")
+            paths = sorted(k for k in stats if not k.startswith("norm"))
+            rows[mode]["paths"] = paths or (["compiled"] if stats else [])
+        warmup_s = dict.fromkeys(fns, 0.0)
+        for k in range(args.warmup):
+            for i in range(len(fns)):
+                mode = list(fns)[(k + i) % len(fns)]
+                warmup_s[mode] += _wall_ms(fns[mode], device) / 1e3
+        peaks: dict[str, float] = {}
+        times = timing.measure_interleaved(
+            fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None
+        )
+    except Exception as e:  # noqa: BLE001 - recorded in every row of the phase; the other phases still run
+        fns = None
+        timing.free_memory(device)
+        error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
+        print(f"bench model: {phase} failed: {error}", file=sys.stderr)
+        return [{**row, "ms": None, "peak_extra_gib": None, "error": error} for row in rows.values()]
+    fns = None  # the optimizers' states go with the step functions
+    timing.free_memory(device)
+    for mode, row in rows.items():
+        ms = statistics.median(times[mode]) / per
+        row.update(
+            ms=ms,
+            peak_extra_gib=peaks.get(mode),
+            times_ms=[t / per for t in times[mode]],
+            warmup_s=warmup_s[mode],
+            tokens_per_s=row["tokens"] * (args.grad_accum if phase in ("grad", "train") else 1) / (ms * per * 1e-3),
+        )
+    return [rows[mode] for mode in models]
+
+
+def run_interleaved(weights, ids, args, device, base_row, bar, task, label, build_s) -> list[dict]:
+    """Every (mode, phase) row of an ``--interleave`` run on copies of ``weights`` (``build_weights``' model)."""
+    bar.update(task, description=f"{label}: a model per mode")
+    models = build_models(weights, args, build_s)
+    rows = []
+    for phase in args.phases:
+        bar.update(task, description=f"{label}: {phase}, {len(models)} modes interleaved")
+        rows += measure_phase(models, ids, phase, args, device, base_row)
+        bar.advance(task, len(models))
+    return rows
+
+
+def _wall_ms(fn, device) -> float:
+    timing.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    timing.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _without_native(fn):
+    def call():
+        with _native_off(True):
+            fn()
+
+    return call
