@@ -84,7 +84,7 @@ def _count_dequantizations(monkeypatch):
 
     calls = []
     real = norm_cache.dequantized
-    monkeypatch.setattr(norm_cache, "dequantized", lambda base: calls.append(base) or real(base))
+    monkeypatch.setattr(norm_cache, "dequantized", lambda base, *packed: calls.append(base) or real(base, *packed))
     return calls
 
 
@@ -215,3 +215,57 @@ def test_qdora_triton_miss_dequantizes_once_and_matches_eager(monkeypatch):
         want = model(input_ids=ids).logits.float()
     assert torch.equal(got, got_again)
     assert rel_err(got, want) <= 1e-2  # (the interpreter's bf16 truncation)
+
+
+DEQUANT_KINDS = [
+    pytest.param(kind, dtype, id=f"{kind}-{str(dtype)[6:]}")
+    for kind in ("nf4", "fp4", "nf4-dq", "fp4-dq")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, dtype", DEQUANT_KINDS)
+def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeypatch):
+    """On CUDA a 4-bit miss dequantizes with bitsandbytes' own kernels from C++: the same bits as
+    ``bitsandbytes.functional.dequantize_4bit``, nf4 and fp4, with and without double quantization, for every
+    compute dtype, without calling that Python function."""
+    from flashdora import layers, native
+
+    assert native.module(wait=True) is not None
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(192, 320, bias=False, quant_type=kind[:3], compress_statistics=kind.endswith("-dq"))
+    layer.weight = bnb.nn.Params4bit(torch.randn(320, 192) * 0.05, requires_grad=False, quant_type=kind[:3],
+                                     compress_statistics=kind.endswith("-dq"))  # fmt: skip
+    layer = layer.cuda()
+    layer.weight.quant_state.dtype = dtype
+    want = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    assert want.dtype == dtype and want.shape == (320, 192)
+
+    def python_path(*args, **kwargs):
+        raise AssertionError("bitsandbytes.functional.dequantize_4bit ran")
+
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", python_path)
+    got = layers.dequantized(layer)
+    got_alias = layers.dequantized(layer, layer.weight.detach())
+    assert torch.equal(got, want) and torch.equal(got_alias, want) and got.data_ptr() != want.data_ptr()
+    layers.bnb_kernel.cache_clear()
+    monkeypatch.setattr(bnb, "__version__", "0.49.0")  # a version the C++ path was not tested with
+    try:
+        assert layers.bnb_kernel(f"cdequantize_blockwise_{layers._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
+        with pytest.raises(AssertionError, match="dequantize_4bit ran"):
+            layers.dequantized(layer)
+    finally:
+        layers.bnb_kernel.cache_clear()
+
+
+def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):
+    """Off CUDA a 4-bit weight is dequantized by ``bitsandbytes.functional.dequantize_4bit`` itself, once a call."""
+    from flashdora import layers
+
+    layer = _model("nf4").base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    calls = []
+    real = bnb.functional.dequantize_4bit
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = layers.dequantized(layer)
+    assert calls == [1] and torch.equal(got, real(layer.weight.data, layer.weight.quant_state))

@@ -107,7 +107,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     if dropout_mode(module) == "adapter":  # dropout on the low-rank branch only
         return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
-    w = _dequantized(base) if quantized else weight  # (PEFT's QDoRA dequantizes here too)
+    w = _dequantized(base, None if module.fan_in_fan_out else weight) if quantized else weight  # (as PEFT's QDoRA)
     w = w if torch.is_autocast_enabled(x.device.type) else w.to(lora_x.dtype)
     return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 

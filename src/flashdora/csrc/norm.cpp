@@ -108,6 +108,54 @@ py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const
   return finish(plan, c, stride_cm, stride_cj, g, lora_B, m, w_sq, scaling, stream);
 }
 
+// bitsandbytes' dequantization kernels, as its library exports them (csrc/pythonInterface.cpp there).
+using DequantFn = void (*)(float* code, unsigned char* a, float* absmax, void* out, int blocksize, int n,
+                           void* stream);
+
+// A 4-bit weight as `bitsandbytes.functional.dequantize_4bit` makes it: the same kernels of bitsandbytes' own library,
+// in the same order (the nested absmax's blockwise dequantization, `+= offset`, the 4-bit dequantization), so the
+// same bits, without the Python around them (layers.py `dequantized` passes the kernels' addresses). None where it
+// does not take the call (the Python function runs).
+py::object dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                           std::vector<int64_t> shape, c10::ScalarType dtype, int64_t fn_4bit,
+                           const std::optional<at::Tensor>& code2, const std::optional<at::Tensor>& absmax2,
+                           const std::optional<at::Tensor>& offset, int64_t blocksize2, int64_t fn_blockwise) {
+  const c10::Device device = packed.device();
+  if (!packed.is_cuda() || packed.scalar_type() != at::kByte || !packed.is_contiguous() || fn_4bit == 0) {
+    return py::none();
+  }
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (numel <= 0 || numel > INT32_MAX || absmax.device() != device || !absmax.is_contiguous()) return py::none();
+  const bool nested = code2.has_value();
+  if (nested) {
+    if (!absmax2 || !offset || fn_blockwise == 0 || absmax.scalar_type() != at::kByte ||
+        code2->device() != device || absmax2->device() != device || offset->device() != device ||
+        code2->scalar_type() != at::kFloat || absmax2->scalar_type() != at::kFloat || !code2->is_contiguous() ||
+        !absmax2->is_contiguous() || absmax.numel() > INT32_MAX) {
+      return py::none();
+    }
+  } else if (absmax.scalar_type() != at::kFloat) {
+    return py::none();
+  }
+  const c10::DeviceGuard on_device(device);  // (bitsandbytes launches on the current device)
+  at::NoGradGuard no_grad;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  void* stream = current_stream(device);
+  at::Tensor amax = absmax;
+  if (nested) {  // dequantize_blockwise(absmax, state2) into float32, then += offset
+    amax = at::empty_like(absmax, absmax.options().dtype(at::kFloat));
+    reinterpret_cast<DequantFn>(fn_blockwise)(code2->data_ptr<float>(), absmax.data_ptr<uint8_t>(),
+                                               absmax2->data_ptr<float>(), amax.data_ptr(),
+                                               static_cast<int>(blocksize2), static_cast<int>(absmax.numel()), stream);
+    amax.add_(*offset);
+  }
+  at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
+  reinterpret_cast<DequantFn>(fn_4bit)(nullptr, packed.data_ptr<uint8_t>(), amax.data_ptr<float>(), out.data_ptr(),
+                                       static_cast<int>(blocksize), static_cast<int>(numel), stream);
+  return py::cast(out);
+}
+
 // File the plan of `norm_scales` for layers like this one (kernels/norm.py `native_plan`).
 void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, bool transposed, int64_t block_j, int64_t block_m,
@@ -132,6 +180,8 @@ void add_norm(pybind11::module_& m) {
   m.def("norm_scales", &norm_scales,
         "a norm cache miss's (norm, scales) on the Triton path: a tuple, None (not taken) or False (no plan yet)");
   m.def("register_norm", &register_norm, "file norm_scales' launch plans for layers like this one");
+  m.def("dequantize_4bit", &dequantize_4bit,
+        "a bitsandbytes 4-bit weight dequantized by bitsandbytes' own kernels: a tensor, or None (not taken)");
 }
 
 }  // namespace flashdora_native

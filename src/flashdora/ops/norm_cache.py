@@ -138,7 +138,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 
 def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
-    weight = weight if quantized is None else dequantized(quantized)
+    weight = weight if quantized is None else dequantized(quantized, weight)
     triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
     return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
 
@@ -217,7 +217,7 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
             triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         else:  # (a dequantized weight is never float64: the adapters decide)
             triton = backend.use_triton(lora_A, lora_B, magnitude)
-            weight = dequantized(quantized)  # the 16-bit weight the layer's forward computes with, freed after
+            weight = dequantized(quantized, weight)  # the 16-bit weight the layer's forward computes with, freed after
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
