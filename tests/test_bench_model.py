@@ -275,3 +275,23 @@ def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(lora_a, dora_a))
     with pytest.raises(SystemExit, match="--interleave .* no --rounds"):
         main(["bench", *argv, "--interleave", "--rounds", "2", "--device", "cpu", "--out", str(tmp_path)])
+
+
+def test_model_interleave_out_of_memory_names_the_way_out(tmp_path, monkeypatch):
+    """A model per mode that does not fit ends the run with a message naming the modes and the options to change,
+    not a traceback."""
+    from flashdora.bench import model_interleave
+
+    prepare, built = model_interleave.prepare, []
+
+    def second_does_not_fit(model, args):  # the first copy fits, the second does not
+        if built:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        built.append(model)
+        return prepare(model, args)
+
+    monkeypatch.setattr(model_interleave, "prepare", second_does_not_fit)
+    argv = ["bench", "model", "--preset", "tiny", "--seq", "8", "--modes", "peft_lora", "flashdora", "--interleave"]
+    with pytest.raises(SystemExit, match=r"out of memory .*2 copies of tiny: peft_lora, flashdora.*fewer --modes"):
+        main([*argv, "--device", "cpu", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # no result files for a run that measured nothing

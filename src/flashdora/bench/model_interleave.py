@@ -100,7 +100,14 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
 def run_interleaved(weights, ids, args, device, base_row, bar, task, label, build_s) -> list[dict]:
     """Every (mode, phase) row of an ``--interleave`` run on copies of ``weights`` (``build_weights``' model)."""
     bar.update(task, description=f"{label}: a model per mode")
-    models = build_models(weights, args, build_s)
+    try:
+        models = build_models(weights, args, build_s)
+    except torch.OutOfMemoryError as e:
+        raise SystemExit(
+            f"flashdora bench model --interleave: out of memory while building a model per mode ({len(args.modes)} "
+            f"copies of {label}: {', '.join(args.modes)}); run fewer --modes, a lower --rank, or without --interleave "
+            "(one model at a time)"
+        ) from e
     rows = []
     for phase in args.phases:
         bar.update(task, description=f"{label}: {phase}, {len(models)} modes interleaved")
