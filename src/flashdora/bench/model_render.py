@@ -90,7 +90,7 @@ def render_markdown(result: dict) -> str:
                 "ms: median per step (grad: forward + backward, optimizer excluded; with rounds, over every "
                 "round's steps); peak extra GiB: above the resident model and adapters; warm-up s: wall time of the "
                 f"{result['protocol']['warmup']} untimed steps before them (the first round's with rounds): Triton's "
-                "compiles and autotuning, flashdora's norm graph captures, cuBLAS's first calls; first ms: wall time "
+                "compiles and autotuning, cuBLAS's first calls; first ms: wall time "
                 "of the first (cold) step alone.",
                 *_phase_notes(result),
                 *(

@@ -26,7 +26,7 @@ class Measurement:
     ms: float
     times_ms: list[float]
     peak_extra_bytes: int | None
-    warmup_s: float = 0.0  # wall time of the warm-up calls (compiles, autotuning, graph captures fall here)
+    warmup_s: float = 0.0  # wall time of the warm-up calls (compiles and autotuning fall here)
 
     @property
     def peak_extra_mib(self) -> float | None:
