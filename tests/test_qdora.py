@@ -269,3 +269,23 @@ def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):
     monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = layers.dequantized(layer)
     assert calls == [1] and torch.equal(got, real(layer.weight.data, layer.weight.quant_state))
+
+
+def test_qdora_int8_on_the_cpu_matches_peft():
+    """``Linear8bitLt`` on bitsandbytes' CPU backend: a training step's logits and gradients as PEFT's own QDoRA
+    computes them; flashdora ran every layer. (One step only: on the CPU, PEFT's dequantization re-assigns the int8
+    weight, after which bitsandbytes' next forward finds no scales, with PEFT's QDoRA alone too.)"""
+    model = _model("int8")
+    twin = copy.deepcopy(model)
+    flashdora.enable(model)
+    flashdora.reset_stats()
+    ids = _ids()
+    logits, grads = _step(model, ids)
+    ref_logits, ref_grads = _step(twin, ids)
+    assert rel_err(logits, ref_logits) <= 1e-5  # (on the CPU bitsandbytes' int8 matmul returns float32)
+    assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
+    for name, ref in ref_grads.items():
+        assert rel_err(grads[name], ref) <= 1e-4, name
+    stats = flashdora.stats()
+    assert not any(k.startswith("peft_fallback") for k in stats), stats
+    assert stats.get("norm:eager", 0) > 0
