@@ -93,7 +93,7 @@ KINDS = [
     pytest.param("fp4", "cpu", id="fp4"),
     pytest.param("nf4-dq", "cpu", id="nf4-dq"),
     pytest.param("nf4", "cuda", id="nf4-cuda", marks=pytest.mark.gpu),
-    pytest.param("int8", "cuda", id="int8-cuda", marks=pytest.mark.gpu),  # (bitsandbytes quantizes int8 on CUDA)
+    pytest.param("int8", "cuda", id="int8-cuda", marks=pytest.mark.gpu),  # (CPU: a test of its own)
 ]
 
 
