@@ -3,8 +3,6 @@ ratios and peaks per row, the loss gaps of ``--mp both`` and the paired ratios o
 
 from __future__ import annotations
 
-import statistics
-
 from flashdora.bench import record
 
 MODES = ("peft_lora", "peft_dora", "flashdora")
@@ -48,7 +46,7 @@ def render_markdown(result: dict) -> str:
 def _paired(result: dict) -> list:
     """``[r, mp, mode, ratio]`` for each row of an ``--interleave`` run but PEFT LoRA's: the median over timed steps
     of its step time over PEFT LoRA's step of the same rotation."""
-    if not result.get("protocol", {}).get("order", "").startswith("interleaved"):
+    if not record.interleaved(result):
         return []
     recs = result["records"]
     lora = {(r["r"], r.get("mp")): r.get("times_ms") for r in recs if r["mode"] == "peft_lora"}
@@ -57,8 +55,7 @@ def _paired(result: dict) -> list:
         base = lora.get((rec["r"], rec.get("mp")))
         if rec["mode"] == "peft_lora" or not base or not rec.get("times_ms"):
             continue
-        ratios = [t / b for t, b in zip(rec["times_ms"], base)]
-        rows.append([rec["r"], rec.get("mp"), rec["mode"], statistics.median(ratios)])
+        rows.append([rec["r"], rec.get("mp"), rec["mode"], record.paired_ratio(rec["times_ms"], base)])
     return rows
 
 

@@ -69,9 +69,10 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
             paths = sorted(k for k in stats if not k.startswith("norm"))
             rows[mode]["paths"] = paths or (["compiled"] if stats else [])
         warmup_s = dict.fromkeys(fns, 0.0)
-        for k in range(args.warmup):
-            for i in range(len(fns)):
-                mode = list(fns)[(k + i) % len(fns)]
+        order = list(fns)
+        for k in range(args.warmup):  # (rotated as the timed steps are)
+            for i in range(len(order)):
+                mode = order[(k + i) % len(order)]
                 warmup_s[mode] += _wall_ms(fns[mode], device) / 1e3
         peaks: dict[str, float] = {}
         times = timing.measure_interleaved(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 from flashdora.bench import record
 
 MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")
@@ -28,14 +26,14 @@ def render_markdown(result: dict) -> str:
 
     times = {(r["preset"], r["phase"], r["mode"]): r.get("times_ms") for r in recs}
 
-    def paired(r):  # the median over timed steps of this step over PEFT LoRA's step of the same rotation
+    def paired(r):
         this, lora = r.get("times_ms"), times.get((r["preset"], r["phase"], "peft_lora"))
         if not this or not lora or r["mode"] == "peft_lora" or r["ms"] is None:
             return None
-        return statistics.median(a / b for a, b in zip(this, lora))
+        return record.paired_ratio(this, lora)
 
     rounds = any("round_ms" in r for r in recs)
-    interleaved = result.get("protocol", {}).get("order", "").startswith("interleaved")
+    interleaved = record.interleaved(result)
     columns = [
         "preset",
         "phase",

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -185,6 +186,17 @@ def render(json_path: Path, render_md: Callable[[dict], str], render_png) -> dic
         render_png(result, png_path)
         paths["png"] = png_path
     return paths
+
+
+def interleaved(result: dict) -> bool:
+    """Whether a result's modes were timed step by step (``--interleave`` of ``bench model`` and ``bench fsdp``)."""
+    return result.get("protocol", {}).get("order", "").startswith("interleaved")
+
+
+def paired_ratio(times_ms: Sequence[float], base_ms: Sequence[float]) -> float:
+    """The median over timed steps of each step's time over the base mode's step of the same rotation (run next to
+    it): an interleaved run's ratio, which the host's drifts move less than a ratio of medians."""
+    return statistics.median(t / b for t, b in zip(times_ms, base_ms))
 
 
 def fmt(value, digits: int = 2) -> str:
