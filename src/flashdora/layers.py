@@ -52,7 +52,7 @@ def is_bnb(base) -> bool:
     return kind.__name__ in _BNB_LAYERS and kind.__module__.startswith("bitsandbytes")
 
 
-def dequantized(base, packed: torch.Tensor | None = None) -> torch.Tensor:
+def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization).
 
     A 4-bit weight is what ``bitsandbytes.functional.dequantize_4bit`` makes of it, the call PEFT's
@@ -60,11 +60,13 @@ def dequantized(base, packed: torch.Tensor | None = None) -> torch.Tensor:
     cache miss runs this every optimizer step, and those checks read ``Params4bit`` attributes through its
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
-    C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time). ``packed``: a plain alias of the
-    packed weight (``weight.detach()``), if the caller has one."""
+    C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time). An 8-bit weight comes in
+    ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
+    ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
     with torch.no_grad():
-        if type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None:
+        kind = type(weight).__name__
+        if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
             packed = weight.data if packed is None else packed
             out = _native_dequantize_4bit(packed, weight.quant_state)
             if out is not None:
@@ -72,9 +74,40 @@ def dequantized(base, packed: torch.Tensor | None = None) -> torch.Tensor:
             import bitsandbytes as bnb
 
             return bnb.functional.dequantize_4bit(packed, weight.quant_state)
+        if kind == "Int8Params":
+            out = _dequantize_int8(base, weight.data if packed is None else packed, dtype or torch.float32)
+            if out is not None:
+                return out
         from peft.utils.integrations import dequantize_module_weight
 
         return dequantize_module_weight(base)
+
+
+_INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it
+_INT8_CHUNK = 16 * 1024 * 1024  # float32 elements of one row chunk's transient (64 MiB)
+
+
+def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """An ``Int8Params`` weight ``CB * SCB / 127`` in ``dtype``, or ``None`` (not quantized: PEFT's function).
+
+    The values are bitsandbytes' ``int8_vectorwise_dequant(CB, SCB)`` (float32, the weight PEFT's DoRA dequantizes
+    and casts to its input's dtype) cast to ``dtype``, computed in the same order. A 16-bit ``dtype`` is filled a row
+    chunk at a time, so no float32 ``[d_out, d_in]`` tensor exists, only a chunk of at most 64 MiB. It reads
+    ``SCB`` from the layer's state or the parameter without writing either (PEFT's CPU path re-assigns the weight,
+    after which bitsandbytes' forward finds no scales)."""
+    state = getattr(base, "state", None)
+    scb = getattr(state, "SCB", None)
+    scb = getattr(base.weight, "SCB", None) if scb is None else scb
+    if data.dtype != torch.int8 or data.dim() != 2 or scb is None:
+        return None
+    scb = scb.to(data.device).view(-1, 1)
+    if dtype == torch.float32:
+        return data * scb * _INT8_SCALE
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    rows = max(1, _INT8_CHUNK // max(1, data.shape[1]))
+    for i in range(0, data.shape[0], rows):
+        torch.mul(data[i : i + rows] * scb[i : i + rows], _INT8_SCALE, out=out[i : i + rows])
+    return out
 
 
 _BNB_KERNELS_TESTED = ((0, 50), (0, 51))  # bitsandbytes versions whose exported kernels the C++ path calls

@@ -97,7 +97,7 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
         run = compose
     else:  # eager: the cache by its owner, and the compose without the compile checks
         scales = NormCache.lookup_owner(
-            weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), base if quantized else None
+            weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), base if quantized else None, x.dtype
         )
         run = compose_eager
     dropout = mods["lora_dropout"]._modules[active_adapter]
@@ -107,8 +107,13 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     if dropout_mode(module) == "adapter":  # dropout on the low-rank branch only
         return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
-    w = _dequantized(base, None if module.fan_in_fan_out else weight) if quantized else weight  # (as PEFT's QDoRA)
-    w = w if torch.is_autocast_enabled(x.device.type) else w.to(lora_x.dtype)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if quantized:  # (as PEFT's QDoRA; an 8-bit weight straight in the dtype the matmul runs in)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else lora_x.dtype
+        w = _dequantized(base, None if module.fan_in_fan_out else weight, dtype)
+    else:
+        w = weight
+    w = w if autocast else w.to(lora_x.dtype)
     return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 
 

@@ -136,9 +136,9 @@ class _Entries(dict):
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None) -> torch.Tensor:
+def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
-    weight = weight if quantized is None else dequantized(quantized, weight)
+    weight = weight if quantized is None else dequantized(quantized, weight, dtype)
     triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
     return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
 
@@ -165,20 +165,23 @@ class NormCache:
         return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
 
     @classmethod
-    def lookup_owner(cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None) -> torch.Tensor:
+    def lookup_owner(
+        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None
+    ) -> torch.Tensor:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
         miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernel, then
-        cuBLAS for the cross term), freed once the norm is computed."""
+        cuBLAS for the cross term), freed once the norm is computed. ``dtype``: the layer input's dtype, which an 8-bit
+        weight is dequantized to (as PEFT's DoRA casts it)."""
         if owner is None or weight.is_meta or not cache_enabled():
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
         try:
             keys = _keys(weight, lora_A, lora_B, magnitude)
         except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
         if None in keys:  # an FSDP2 parameter gathered before its shard's last write
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
         w_key, a_key, b_key, m_key = keys
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
@@ -195,8 +198,8 @@ class NormCache:
         try:
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
-                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized)
-            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized)
+                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
         finally:
             _set_grad_enabled(grad)
 
@@ -205,7 +208,9 @@ class NormCache:
         owner.__dict__.pop("_flashdora_cache", None)
 
 
-def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None) -> torch.Tensor:
+def _update(
+    cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None
+) -> torch.Tensor:
     if cache.get("norm_key") == key:  # only the magnitude moved
         backend.count("norm:cached")
         cache["scales"] = scales_on(magnitude, cache["norm"], backend.use_triton(lora_A, lora_B, magnitude))
@@ -217,7 +222,7 @@ def _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, qu
             triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
         else:  # (a dequantized weight is never float64: the adapters decide)
             triton = backend.use_triton(lora_A, lora_B, magnitude)
-            weight = dequantized(quantized, weight)  # the 16-bit weight the layer's forward computes with, freed after
+            weight = dequantized(quantized, weight, dtype)  # the 16-bit weight the forward computes with, freed after
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
