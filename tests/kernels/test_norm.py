@@ -195,3 +195,103 @@ def test_scales_from_norm_with_magnitudes_of_every_dtype_in_turn(device, poisone
         magnitude = (norm * (0.5 + torch.rand_like(norm))).to(dtype)
         exact = scales(magnitude.float(), norm)
         assert_close(scales_from_norm(magnitude, norm), exact.double(), 1e-6, f"scales, {dtype} magnitude")
+
+
+SMALL_SHAPES = [  # (d_out, d_in, r, transposed): ranks up to norm_small.MAX_R take its one kernel
+    pytest.param(37, 50, 3, False, id="37x50-r3"),
+    pytest.param(1, 17, 1, False, id="1x17-r1"),
+    pytest.param(64, 32, 40, False, id="64x32-r40"),  # r > d_in
+    pytest.param(45, 29, 6, True, id="45x29-r6-transposed"),
+    pytest.param(70, 20, 64, False, id="70x20-r64"),  # BLOCK_R = r, several row blocks
+    pytest.param(14336, 4096, 64, False, id="14336x4096-r64", marks=pytest.mark.gpu),
+    pytest.param(1024, 4096, 16, False, id="1024x4096-r16", marks=pytest.mark.gpu),
+    pytest.param(4096, 14336, 8, False, id="4096x14336-r8", marks=pytest.mark.gpu),
+    pytest.param(768, 2304, 33, True, id="768x2304-r33-transposed", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("d_out, d_in, r, transposed", SMALL_SHAPES)
+@pytest.mark.parametrize(
+    "w_dtype, ab_dtype",
+    [
+        pytest.param(torch.bfloat16, torch.float32, id="bf16-adapters_fp32"),
+        pytest.param(torch.float16, torch.float32, id="fp16-adapters_fp32"),
+        pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+    ],
+)
+def test_small_rank_norm_and_scales(
+    d_out, d_in, r, transposed, w_dtype, ab_dtype, device, poisoned_empty, monkeypatch
+):
+    """A 16-bit weight with a small rank: the norm and the scales in one launch, against float64 (with ``A`` rounded
+    to W's dtype, as the forward's LoRA matmul rounds it) and ``ops.norm.scales``; a zero row gives ``0, -1, 0``."""
+    from flashdora.kernels import norm as kn
+    from flashdora.kernels import norm_small
+    from flashdora.ops.norm import scales, weight_sq
+
+    def cublas_path(*args, **kwargs):
+        raise AssertionError("norm_gemm ran")
+
+    monkeypatch.setattr(kn, "norm_half", cublas_path)
+
+    assert norm_small.takes(torch.empty(1, dtype=w_dtype), torch.empty(r, 1, dtype=ab_dtype))
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype, ab_dtype, device, transposed)
+    weight[0] = 0
+    lora_B[0] = 0
+    ref = row_norm_ref(weight.double(), lora_A.to(w_dtype).double(), lora_B.double(), 0.7)
+    magnitude = (ref * (0.5 + torch.rand_like(ref))).to(ab_dtype)
+    w_sq = weight_sq(weight, device == "cuda")
+    norm, out = kn.norm_and_scales(weight, lora_A, lora_B, 0.7, magnitude, w_sq=w_sq)
+    assert norm.shape == (d_out,) and out.shape == (3, d_out) and torch.isfinite(out).all()
+    assert_close(norm, ref, NORM_RTOL[w_dtype], "norm")
+    assert_close(out, scales(magnitude.double(), ref), NORM_RTOL[w_dtype], "scales")
+    assert out[:, 0].tolist() == [0.0, -1.0, 0.0]
+
+
+def test_norm_and_scales_takes_the_small_rank_kernel_up_to_its_rank(device, monkeypatch):
+    """Ranks up to ``MAX_R`` take ``norm_small`` (one launch), larger ones ``norm_gemm`` (cuBLAS and its epilogue);
+    ``MAX_R = 0`` sends every rank to ``norm_gemm``; both give the same norms within float32 summation order."""
+    from flashdora.kernels import norm, norm_small
+
+    calls = []
+    for name, module in (("small", norm_small), ("gemm", norm)):
+        real = getattr(module, "norm_and_scales" if name == "small" else "norm_half")
+        wrapped = lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k)  # noqa: E731
+        monkeypatch.setattr(module, "norm_and_scales" if name == "small" else "norm_half", wrapped)
+    for r, want in ((norm_small.MAX_R, "small"), (norm_small.MAX_R + 1, "gemm")):
+        weight, lora_A, lora_B = _inputs(40, 24, r, torch.bfloat16, torch.float32, device)
+        magnitude = torch.ones(40, device=device)
+        calls.clear()
+        got = norm.norm_and_scales(weight, lora_A, lora_B, 0.5, magnitude)[0]
+        assert calls == [want]
+        if want == "small":
+            monkeypatch.setattr(norm_small, "MAX_R", 0)
+            other = norm.norm_and_scales(weight, lora_A, lora_B, 0.5, magnitude)[0]
+            assert calls == ["small", "gemm"]
+            assert_close(got, other.double(), 1e-5, "small-rank kernel vs norm_gemm")
+            monkeypatch.setattr(norm_small, "MAX_R", r)
+
+
+@pytest.mark.parametrize(
+    "d_out, d_in, r",
+    [
+        pytest.param(40, 70, 12, id="40x70-r12"),
+        pytest.param(14336, 4096, 64, id="14336x4096-r64", marks=pytest.mark.gpu),
+        pytest.param(1000, 300, 1, id="1000x300-r1", marks=pytest.mark.gpu),
+    ],
+)
+def test_small_rank_kernel_every_config(d_out, d_in, r, device, poisoned_empty, one_config_at_a_time):
+    """Every config of the small-rank kernel meets the bar against float64, and they agree within float32
+    summation order."""
+    from flashdora.kernels import norm_small
+    from flashdora.kernels.norm import norm_and_scales
+
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, torch.bfloat16, torch.float32, device)
+    ref = row_norm_ref(weight.double(), lora_A.to(torch.bfloat16).double(), lora_B.double(), 0.7)
+    magnitude = torch.ones(d_out, device=device)
+    first = None
+    for cfg in list(norm_small._small_kernel.configs):
+        one_config_at_a_time(norm_small._small_kernel, cfg)
+        out = norm_and_scales(weight, lora_A, lora_B, 0.7, magnitude)[0]
+        assert_close(out, ref, NORM_RTOL[torch.bfloat16], f"norm, config {cfg}")
+        first = first or (cfg, out)
+        assert_close(out, first[1].double(), 1e-5, f"norm, config {cfg} vs {first[0]}")

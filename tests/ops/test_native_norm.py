@@ -1,5 +1,6 @@
 """``flashdora.native``'s ``norm_scales``: a norm cache miss in C++, the same launches as the Python path's
-``norm_and_scales``, so the same bits (GPU); what it declines, and that the cache takes it (GPU)."""
+``norm_and_scales`` (``norm_gemm``'s, or ``norm_small``'s one kernel up to its rank), so the same bits (GPU); what it
+declines, and that the cache takes it (GPU)."""
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 import flashdora
 from flashdora import native
 from flashdora.kernels import norm as kn
+from flashdora.kernels import norm_small
+from flashdora.kernels.norm_small import MAX_R
 from flashdora.ops import norm as ops_norm
 
 
@@ -37,14 +40,18 @@ def _poison():
 
 def test_cpu_tensors_are_declined(ext):
     weight, lora_A, lora_B, magnitude, w_sq = _layer(8, 16, 4, torch.bfloat16, torch.float32, device="cpu")
-    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, 1.0) is None
+    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, 1.0, MAX_R) is None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_r", [MAX_R, 0], ids=["small-rank-kernel", "norm_gemm"])
 @pytest.mark.parametrize(
     ("d_out", "d_in", "r", "w_dtype", "ab_dtype", "transposed", "scaling"),
     [
         (4096, 4096, 16, torch.bfloat16, torch.float32, False, 1.0),
+        (14336, 4096, 64, torch.bfloat16, torch.float32, False, 0.5),
+        (1024, 4096, 64, torch.bfloat16, torch.bfloat16, False, 1.0),
+        (4096, 14336, 16, torch.bfloat16, torch.bfloat16, False, 1.0),
         (14336, 4096, 384, torch.bfloat16, torch.float32, False, 0.5),
         (4096, 14336, 384, torch.bfloat16, torch.bfloat16, False, 2.0),
         (1000, 96, 5, torch.float16, torch.float32, False, 0.25),
@@ -52,18 +59,19 @@ def test_cpu_tensors_are_declined(ext):
         (1000, 300, 1, torch.bfloat16, torch.float32, False, 1.0),
     ],
 )
-def test_gpu_norm_scales_gives_the_python_paths_bits(ext, d_out, d_in, r, w_dtype, ab_dtype, transposed, scaling):
+def test_gpu_norm_scales_gives_the_python_paths_bits(
+    ext, monkeypatch, max_r, d_out, d_in, r, w_dtype, ab_dtype, transposed, scaling
+):
+    monkeypatch.setattr(norm_small, "MAX_R", max_r)
     torch.manual_seed(d_out + r)
     weight, lora_A, lora_B, magnitude, w_sq = _layer(d_out, d_in, r, w_dtype, ab_dtype, transposed)
     for _ in range(2):  # the first call times the cross term's layouts and compiles; the second launches directly
         norm_py, scales_py = kn.norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
-    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling) is False  # no plan yet
-    plan = kn.native_plan(weight, lora_A, lora_B, magnitude)
-    assert plan is not None
-    ext.register_norm(weight, lora_A, lora_B, magnitude, *plan)
+    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling, max_r) is False  # no plan yet
+    assert ops_norm._register_plan(ext, weight, lora_A, lora_B, magnitude)
     _poison()
     with torch.autocast("cuda", dtype=torch.float16):  # the C++ path turns autocast off, as the Python path does
-        norm, scales = ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling)
+        norm, scales = ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling, max_r)
     assert norm.shape == (d_out,) and scales.shape == (3, d_out)
     assert not norm.isnan().any() and not scales.isnan().any()
     torch.testing.assert_close(norm, norm_py, rtol=0, atol=0)
@@ -76,13 +84,13 @@ def test_gpu_norm_scales_gives_the_python_paths_bits(ext, d_out, d_in, r, w_dtyp
 def test_gpu_norm_scales_declines_what_it_does_not_take_and_gives_up_without_plans(ext):
     weight, lora_A, lora_B, magnitude, w_sq = _layer(64, 32, 4, torch.bfloat16, torch.float32)
     f32 = _layer(64, 32, 4, torch.float32, torch.float32)
-    assert ext.norm_scales(*f32[:4], f32[4], 1.0) is None  # float32 weights: the fused float32 kernel's path
+    assert ext.norm_scales(*f32[:4], f32[4], 1.0, MAX_R) is None  # float32 weights: the fused float32 kernel's path
     odd = _layer(62, 32, 4, torch.bfloat16, torch.float32)  # the scales row would start unaligned
-    assert ext.norm_scales(*odd[:4], odd[4], 1.0) is None
+    assert ext.norm_scales(*odd[:4], odd[4], 1.0, MAX_R) is None
     big = _layer(16 * 2**20 // 64 + 4, 8, 64, torch.bfloat16, torch.float32)  # the cross term in several chunks
-    assert ext.norm_scales(*big[:4], big[4], 1.0) is None
-    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq[1:], 1.0) is None  # unaligned w_sq
-    got = [ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, 1.0) for _ in range(80)]  # never filed here
+    assert ext.norm_scales(*big[:4], big[4], 1.0, MAX_R) is None
+    assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq[1:], 1.0, MAX_R) is None  # unaligned w_sq
+    got = [ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, 1.0, MAX_R) for _ in range(80)]  # never filed here
     assert got[0] is False and got[-1] is None and got.index(None) <= 65
 
 

@@ -1,5 +1,6 @@
 // A norm cache miss on the Triton path, in C++ (flashdora.native's `norm_scales`; kernels/norm.py
-// `norm_and_scales`).
+// `norm_and_scales`). Ranks up to kernels/norm_small.py's MAX_R take that file's one kernel (one launch); the rest
+// take the path below.
 //
 // A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
 // its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
@@ -25,6 +26,7 @@ struct NormPlan {
   int64_t block_j = 0;      // the epilogue's r-slice (grid y)
   int64_t block_m = 0;      // its tuned BLOCK_M (grid x)
   Plan epilogue, scales;
+  Plan small;               // kernels/norm_small.py's kernel (block_m: its tuned BLOCK_M)
   int64_t misses = 0;       // calls that found no plan (function 0)
 };
 
@@ -39,7 +41,8 @@ std::vector<int64_t> norm_key(const at::Tensor& weight, const at::Tensor& lora_A
   return {weight.get_device(), weight.size(0), weight.size(1), lora_A.size(0),
           static_cast<int64_t>(weight.scalar_type()), static_cast<int64_t>(lora_A.scalar_type()),
           static_cast<int64_t>(lora_B.scalar_type()), static_cast<int64_t>(magnitude.scalar_type()),
-          lora_B.stride(0), lora_B.stride(1)};
+          lora_B.stride(0), lora_B.stride(1), weight.stride(0), weight.stride(1), lora_A.stride(0),
+          lora_A.stride(1)};
 }
 
 constexpr int64_t kChunkElements = 16 * 1024 * 1024;  // kernels/norm_gemm.py _CHUNK_ELEMENTS
@@ -65,6 +68,22 @@ py::object finish(const NormPlan& plan, const at::Tensor& c, int64_t stride_cm, 
   return py::make_tuple(norm, scales);
 }
 
+// kernels/norm_small.py `norm_and_scales`: one launch writes the norm and the scales.
+py::object norm_scales_small(const Plan& plan, const at::Tensor& weight, const at::Tensor& lora_A,
+                             const at::Tensor& lora_B, const at::Tensor& m, const at::Tensor& w_sq, double scaling) {
+  if (!aligned(weight) || !aligned(lora_A)) return py::none();
+  const int64_t d_out = weight.size(0), d_in = weight.size(1), r = lora_A.size(0);
+  at::Tensor norm = at::empty({d_out}, w_sq.options());
+  at::Tensor scales = at::empty({3, d_out}, w_sq.options());
+  launch(plan,
+         {ptr(weight), ptr(lora_A), ptr(lora_B), ptr(w_sq), ptr(m), ptr(norm), ptr(scales), integer(d_out),
+          integer(d_in), integer(r), Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling},
+          integer(weight.stride(0)), integer(weight.stride(1)), integer(lora_A.stride(0)), integer(lora_A.stride(1)),
+          integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(d_out)},
+         cdiv(d_out, plan.block_m), 1, current_stream(weight.device()));
+  return py::make_tuple(norm, scales);
+}
+
 // The checks on the adapters and ||W||^2; the contiguous magnitude, or an undefined tensor.
 at::Tensor checked_magnitude(const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& magnitude,
                              const at::Tensor& w_sq) {
@@ -84,7 +103,7 @@ at::Tensor checked_magnitude(const at::Tensor& lora_A, const at::Tensor& lora_B,
 // returns them; None where this is not a call it takes; False where it has no plan for it yet (the Python path
 // runs, then files one). The checks come before any work.
 py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                       const at::Tensor& magnitude, const at::Tensor& w_sq, double scaling) {
+                       const at::Tensor& magnitude, const at::Tensor& w_sq, double scaling, int64_t max_small_r) {
   if (!weight.is_cuda() || weight.dim() != 2) return py::none();
   const auto wt = weight.scalar_type();
   if (wt != at::kHalf && wt != at::kBFloat16) return py::none();
@@ -92,11 +111,14 @@ py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const
   if (!m.defined()) return py::none();
   const int64_t d_out = weight.size(0), d_in = weight.size(1), r = lora_A.size(0);
   if (d_out == 0 || d_in == 0 || r == 0 || d_out > kChunkElements / r || d_out % 4 != 0) return py::none();
+  const auto a_type = lora_A.scalar_type();
+  const bool small = r <= max_small_r && (a_type == at::kHalf || a_type == at::kBFloat16 || a_type == at::kFloat);
   NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
-  if (plan.epilogue.function == 0) {
+  if ((small ? plan.small : plan.epilogue).function == 0) {
     if (++plan.misses > kMaxMisses) return py::none();
     return py::bool_(false);
   }
+  if (small) return norm_scales_small(plan.small, weight, lora_A, lora_B, m, w_sq, scaling);
 
   at::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // explicit dtypes throughout
@@ -172,6 +194,15 @@ void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at:
   plan.scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
 }
 
+// File the plan of `norm_scales` for small ranks (kernels/norm_small.py `native_plan`).
+void register_norm_small(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
+                         const at::Tensor& magnitude, int64_t block_m, int64_t function, int64_t warps,
+                         int64_t shared, std::string types, std::vector<int64_t> keep) {
+  TORCH_CHECK(function != 0 && block_m > 0, "flashdora.native: register_norm_small needs a loaded kernel");
+  NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
+  plan.small = Plan{function, warps, shared, block_m, 0, 1, std::move(types), std::move(keep)};
+}
+
 }  // namespace
 
 namespace flashdora_native {
@@ -180,6 +211,7 @@ void add_norm(pybind11::module_& m) {
   m.def("norm_scales", &norm_scales,
         "a norm cache miss's (norm, scales) on the Triton path: a tuple, None (not taken) or False (no plan yet)");
   m.def("register_norm", &register_norm, "file norm_scales' launch plans for layers like this one");
+  m.def("register_norm_small", &register_norm_small, "file norm_scales' small-rank kernel for layers like this one");
   m.def("dequantize_4bit", &dequantize_4bit,
         "a bitsandbytes 4-bit weight dequantized by bitsandbytes' own kernels: a tensor, or None (not taken)");
 }

@@ -84,6 +84,16 @@ NORM_EPILOGUE = _pick(
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_G": 16}, num_warps=1, num_stages=1),
 )
+# The small-rank norm of 16-bit weights (kernels/norm_small.py): [BLOCK_M rows, d_in] x [d_in, r] and [r, r] per
+# program, bound by reading W; key ["d_out", "d_in", "r"]. BLOCK_R (next_pow2(r)) is not tuned.
+NORM_SMALL = _pick(
+    [
+        triton.Config({"BLOCK_M": 32, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 16, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+    ],
+    triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
+)
 NORM_GRAM_BLOCK_K = 32  # K step of the in-epilogue B_rows @ G[:, r-slice] product (K = r)
 NORM_SMEM_BYTES = 200 * 1024  # operand ring budget (H100 allows 227 KiB per block; the epilogue needs some too)
 

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdora.kernels import configs, launcher, norm_gemm
+from flashdora.kernels import configs, launcher, norm_gemm, norm_small
 from flashdora.kernels.norm_gemm import _gram_term, norm_half, weight_sq
+from flashdora.kernels.norm_small import _store_scales
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -187,25 +188,25 @@ def _scales_kernel(p_part, p_m, p_norm, p_scales, n_part, d_out, stride_s, FROM_
         norm = tl.sqrt_rn(tl.maximum(acc, 0.0))
     else:
         norm = acc
-    m = tl.load(p_m + offs, mask=mask, other=0.0).to(tl.float32)
-    positive = norm > 0.0
-    inv = tl.where(positive, tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
-    gm1 = tl.where(positive, (m - norm) * inv, -1.0)
-    tl.store(p_norm + offs, norm, mask=mask)
-    tl.store(p_scales + offs, m * inv, mask=mask)
-    tl.store(p_scales + stride_s + offs, gm1, mask=mask)
-    tl.store(p_scales + 2 * stride_s + offs, inv, mask=mask)
+    _store_scales(norm, p_m, p_norm, p_scales, offs, mask, stride_s, BLOCK)
+
+
+def _outputs(out, d_out: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, scales)`` to write: ``out``'s, or new ones (``out``: ``None``, a ``[4, d_out]`` buffer, norm then the
+    scales, or a ``(norm, scales)`` pair of views, ``[d_out]`` and ``[3, d_out]`` with stride-1 rows)."""
+    if type(out) is tuple:
+        return out
+    if out is None:
+        return torch.empty(d_out, dtype=torch.float32, device=device), torch.empty(
+            (3, d_out), dtype=torch.float32, device=device
+        )
+    return out[0], out[1:]
 
 
 def _finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out``: ``None``, a ``[4, d_out]`` buffer (norm, then the scales) or a ``(norm, scales)`` pair of views
-    (``[d_out]`` and ``[3, d_out]``, stride-1 rows: e.g. columns of a norm group's buffers)."""
+    """The norm and the scales from the partial sums ``part``; ``out`` as ``_outputs`` takes it."""
     n_part, d_out = part.shape
-    if type(out) is tuple:
-        norm, scales = out
-    else:
-        both = torch.empty((4, d_out), dtype=torch.float32, device=part.device) if out is None else out
-        norm, scales = both[0], both[1:]
+    norm, scales = _outputs(out, d_out, part.device)
     m = magnitude.detach().contiguous()
     args = (part, m, norm, scales, n_part, d_out, scales.stride(0))
     launcher.launch_jit(_scales_kernel, (triton.cdiv(d_out, _SCALES_BLOCK),), args, _scales_flags(from_sq))
@@ -225,8 +226,14 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
     Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: what the device machines'
     CPU, not the GPU, pays for at ordinary layer sizes. ``out``: a ``[4, d_out]`` float32
     buffer to write ``norm`` (row 0) and the scales (rows 1-3) into, or a ``(norm, scales)`` pair of views to write.
-    ``w_sq``: a known ``||W||^2``.
+    ``w_sq``: a known ``||W||^2``. A 16-bit ``weight`` with a rank up to ``norm_small.MAX_R`` takes one launch
+    (``kernels/norm_small.py``).
     """
+    if norm_small.takes(weight, lora_A):
+        w_sq = weight_sq(weight) if w_sq is None else w_sq
+        norm, scales = _outputs(out, weight.shape[0], weight.device)
+        norm_small.norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq, norm, scales)
+        return norm, scales
     return _finish(_partials(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
 
 

@@ -153,20 +153,32 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -
         mod = _native_module(weight) if w_sq is not None else None
         if mod is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
-        got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling))
+        from flashdora.kernels import norm_small
+
+        got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling), norm_small.MAX_R)
         if got is not None and got is not False:
             backend.count("norm:native")
             return got
         out = norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
         if got is False:  # no plan for layers like this one yet: the Python path has just compiled what it needs
-            from flashdora.kernels.norm import native_plan
-
-            plan = native_plan(weight, lora_A, lora_B, magnitude)
-            if plan is not None:
-                mod.register_norm(weight, lora_A, lora_B, magnitude, *plan)
+            _register_plan(mod, weight, lora_A, lora_B, magnitude)
         return out
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
     return norm, scales(magnitude, norm)
+
+
+def _register_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
+    """Files with the C++ extension how ``norm_and_scales`` launched for this layer (its one small-rank kernel, or
+    ``norm_gemm``'s epilogue and the scales kernel), once the Python path has compiled them; whether it did."""
+    from flashdora.kernels import norm_small
+    from flashdora.kernels.norm import native_plan
+
+    small = norm_small.takes(weight, lora_A)
+    plan = (norm_small.native_plan if small else native_plan)(weight, lora_A, lora_B, magnitude)
+    if plan is None:
+        return False
+    (mod.register_norm_small if small else mod.register_norm)(weight, lora_A, lora_B, magnitude, *plan)
+    return True
 
 
 def _native_module(weight):

@@ -1,0 +1,140 @@
+"""A 16-bit weight's norm and DoRA's scales for a small rank in one launch: a cache miss of few host steps.
+
+``||W + s B A||^2 = ||W||^2 + 2s <W a^T, B>_row + s^2 <B G, B>_row`` with ``a = A`` rounded to W's dtype and
+``G = a a^T`` (docs/math.md), as ``norm_gemm`` computes it, but for ``r <= MAX_R`` in one kernel: each program owns
+``BLOCK_M`` rows, streams its rows of ``W`` once with the tiles of ``A`` (cast in registers, the rounding of
+``A.to(W.dtype)``), accumulates its ``C = W_rows a^T`` and the whole ``G`` (``r x r``: recomputed by every program,
+a few percent of the work at these ranks) on the tensor cores, then finishes the row norm and the scales. No
+``[d_out, r]`` product and no ``G`` reach memory, and a miss is one launch instead of ``norm_gemm``'s cast, two
+cuBLAS calls and two launches: on the device machines' CPU, tens of microseconds a layer and optimizer step.
+Larger ranks take ``norm_gemm``, whose cuBLAS GEMM runs the cross term faster than a Triton one once it is not bound
+by reading ``W``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdora.kernels import configs, launcher
+from flashdora.kernels.compose import _to_out
+
+MAX_R = 64  # the largest rank this kernel takes (its accumulators: [BLOCK_M, r] and [r, r] float32 per program)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _store_scales(norm, p_m, p_norm, p_scales, offs, mask, stride_s, BLOCK: tl.constexpr):
+    """``norm`` and DoRA's scales ``g = m / norm``, ``g - 1 = (m - norm) / norm``, ``1 / norm`` (rows of
+    ``p_scales``, ``stride_s`` apart); a zero norm gives ``0, -1, 0`` (``ops.norm.scales``)."""
+    m = tl.load(p_m + offs, mask=mask, other=0.0).to(tl.float32)
+    positive = norm > 0.0
+    inv = tl.where(positive, tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
+    gm1 = tl.where(positive, (m - norm) * inv, -1.0)
+    tl.store(p_norm + offs, norm, mask=mask)
+    tl.store(p_scales + offs, m * inv, mask=mask)
+    tl.store(p_scales + stride_s + offs, gm1, mask=mask)
+    tl.store(p_scales + 2 * stride_s + offs, inv, mask=mask)
+
+
+@triton.autotune(configs=configs.NORM_SMALL, key=["d_out", "d_in", "r"], do_bench=configs.bench)
+@triton.jit
+def _small_kernel(
+    p_w, p_a, p_b, p_wsq, p_m, p_norm, p_scales,
+    d_out, d_in, r, two_s, s_sq,
+    stride_wm, stride_wk, stride_ar, stride_ak, stride_bm, stride_br, stride_s,
+    INTERPRETED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_M rows: ``C = W_rows a^T`` and ``G = a a^T`` over d_in, then ``||W||^2 + <2s C + s^2 B G, B>`` per row,
+    its square root and the scales."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # [BLOCK_M]
+    offs_r = tl.arange(0, BLOCK_R).to(tl.int64)  # [BLOCK_R]
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # [BLOCK_K]
+    mask_m = offs_m < d_out
+    mask_r = offs_r < r
+    p_wk = p_w + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk  # [BLOCK_M, BLOCK_K]
+    p_ak = p_a + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak  # [BLOCK_R, BLOCK_K]
+    acc_c = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_R, BLOCK_R], dtype=tl.float32)
+    for k in range(0, d_in, BLOCK_K):
+        mask_k = (k + offs_k) < d_in
+        b_w = tl.load(p_wk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b_a = tl.load(p_ak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        b_a = _to_out(b_a, p_w.dtype.element_ty, INTERPRETED)  # (the interpreter truncates; this rounds to nearest)
+        b_at = tl.trans(b_a)  # [BLOCK_K, BLOCK_R]
+        if INTERPRETED:  # the 3.9 interpreter multiplies 16-bit blocks as raw integers; exact values in float32
+            b_w = b_w.to(tl.float32)
+            b_a = b_a.to(tl.float32)
+            b_at = b_at.to(tl.float32)
+            acc_c = tl.dot(b_w, b_at, acc_c, input_precision="ieee")
+            acc_g = tl.dot(b_a, b_at, acc_g, input_precision="ieee")
+        else:  # 16-bit operands: exact products, float32 sums
+            acc_c = tl.dot(b_w, b_at, acc_c)
+            acc_g = tl.dot(b_a, b_at, acc_g)
+        p_wk += BLOCK_K * stride_wk
+        p_ak += BLOCK_K * stride_ak
+    p_bm = p_b + offs_m[:, None] * stride_bm + offs_r[None, :] * stride_br
+    b_b = tl.load(p_bm, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R]
+    bg = tl.dot(b_b, acc_g, input_precision="tf32")  # B G on TF32, as norm_gemm's epilogue
+    sq = tl.sum((two_s * acc_c + s_sq * bg) * b_b, axis=1) + tl.load(p_wsq + offs_m, mask=mask_m, other=0.0)
+    norm = tl.sqrt_rn(tl.maximum(sq, 0.0))
+    _store_scales(norm, p_m, p_norm, p_scales, offs_m, mask_m, stride_s, BLOCK_M)
+
+
+def takes(weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+    """Whether ``norm_and_scales`` runs this kernel for a 16-bit ``weight`` and this rank."""
+    return weight.dtype in _HALF and lora_A.shape[0] <= MAX_R and lora_A.dtype in (*_HALF, torch.float32)
+
+
+def block_r(r: int) -> int:
+    """The kernel's BLOCK_R: next_pow2(r), at least 16 (``tl.dot``'s smallest operand)."""
+    return max(16, triton.next_power_of_2(r))
+
+
+def _flags(r: int) -> dict:
+    return dict(INTERPRETED=configs.INTERPRETED, BLOCK_R=block_r(r))
+
+
+def _args(weight, lora_A, lora_B, w_sq, m, norm, scales, scaling: float) -> tuple:
+    d_out, d_in = weight.shape
+    return (
+        weight, lora_A, lora_B, w_sq, m, norm, scales,
+        d_out, d_in, lora_A.shape[0], 2.0 * scaling, scaling * scaling,
+        weight.stride(0), weight.stride(1), lora_A.stride(0), lora_A.stride(1), lora_B.stride(0), lora_B.stride(1),
+        scales.stride(0),
+    )  # fmt: skip
+
+
+def _key(weight, lora_A, lora_B) -> tuple:
+    d_out, d_in = weight.shape
+    return (d_out, d_in, lora_A.shape[0], weight.dtype, lora_A.dtype, lora_B.dtype)
+
+
+def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, norm, scales) -> None:
+    """Writes the norm ``[d_out]`` and the scales ``[3, d_out]`` (stride-1 rows) of ``W + s B A`` into ``norm`` and
+    ``scales`` (float32); ``w_sq``: ``||W||^2`` float32. For ``takes(weight, lora_A)``."""
+    lora_A, lora_B = lora_A.detach(), lora_B.detach()
+    lora_B = lora_B if lora_B.dtype in (*_HALF, torch.float32) else lora_B.float()
+    m = magnitude.detach().contiguous()
+    args = _args(weight, lora_A, lora_B, w_sq, m, norm, scales, scaling)
+    grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_M"]),)  # noqa: E731
+    launcher.launch(_small_kernel, grid, _key(weight, lora_A, lora_B), args, _flags(lora_A.shape[0]))
+
+
+def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
+    """What ``flashdora.native``'s ``register_norm_small`` takes for layers like this one: ``(BLOCK_M, CUfunction,
+    warps, shared bytes, parameter types, kept arguments)``, or ``None`` until a Python-path call has compiled the
+    kernel for them."""
+    d_out = weight.shape[0]
+    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
+    m = lora_B.new_empty(1, dtype=magnitude.dtype)
+    scales = f32.new_empty((3, d_out))
+    args = _args(weight, lora_A, lora_B, f32, m, f32, scales, 1.0)
+    plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B), args,
+                                _flags(lora_A.shape[0]))  # fmt: skip
+    if plan is None:
+        return None
+    config, *launch = plan
+    return (config["BLOCK_M"], *launch)
