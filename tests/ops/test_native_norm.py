@@ -62,6 +62,8 @@ def test_cpu_tensors_are_declined(ext):
 def test_gpu_norm_scales_gives_the_python_paths_bits(
     ext, monkeypatch, max_r, d_out, d_in, r, w_dtype, ab_dtype, transposed, scaling
 ):
+    if r > MAX_R and max_r == 0:
+        pytest.skip("norm_gemm either way: the case above")  # (its plan is filed: the extension keeps it)
     monkeypatch.setattr(norm_small, "MAX_R", max_r)
     torch.manual_seed(d_out + r)
     weight, lora_A, lora_B, magnitude, w_sq = _layer(d_out, d_in, r, w_dtype, ab_dtype, transposed)

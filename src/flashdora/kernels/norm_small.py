@@ -38,7 +38,12 @@ def _store_scales(norm, p_m, p_norm, p_scales, offs, mask, stride_s, BLOCK: tl.c
     tl.store(p_scales + 2 * stride_s + offs, inv, mask=mask)
 
 
-@triton.autotune(configs=configs.NORM_SMALL, key=["d_out", "d_in", "r"], do_bench=configs.bench)
+@triton.autotune(
+    configs=configs.NORM_SMALL,
+    key=["d_out", "d_in", "r"],
+    prune_configs_by={"early_config_prune": configs.prune_small},
+    do_bench=configs.bench,
+)
 @triton.jit
 def _small_kernel(
     p_w, p_a, p_b, p_wsq, p_m, p_norm, p_scales,
