@@ -103,6 +103,8 @@ def prune_small(configs, named_args, **kwargs):
     """NORM_SMALL with the configs whose BLOCK_M is at least BLOCK_R first (stable; none dropped)."""
     block_r = kwargs.get("BLOCK_R", named_args.get("BLOCK_R", 16))
     return sorted(configs, key=lambda c: c.kwargs["BLOCK_M"] < block_r)
+
+
 NORM_GRAM_BLOCK_K = 32  # K step of the in-epilogue B_rows @ G[:, r-slice] product (K = r)
 NORM_SMEM_BYTES = 200 * 1024  # operand ring budget (H100 allows 227 KiB per block; the epilogue needs some too)
 
