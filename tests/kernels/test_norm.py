@@ -295,3 +295,18 @@ def test_small_rank_kernel_every_config(d_out, d_in, r, device, poisoned_empty, 
         assert_close(out, ref, NORM_RTOL[torch.bfloat16], f"norm, config {cfg}")
         first = first or (cfg, out)
         assert_close(out, first[1].double(), 1e-5, f"norm, config {cfg} vs {first[0]}")
+
+
+def test_small_rank_kernel_with_magnitudes_of_every_dtype_in_turn(device, poisoned_empty):
+    """The small-rank kernel's launch is cached per key: a float32 magnitude, then a bfloat16 one (FSDP2's
+    ``MixedPrecisionPolicy``), then float32 again must each run a kernel compiled for its dtype."""
+    from flashdora.kernels.norm import norm_and_scales
+    from flashdora.ops.norm import scales
+
+    weight, lora_A, lora_B = _inputs(48, 40, 8, torch.bfloat16, torch.float32, device)
+    ref = row_norm_ref(weight.double(), lora_A.to(torch.bfloat16).double(), lora_B.double(), 0.5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        magnitude = (ref * (0.5 + torch.rand_like(ref))).to(dtype)
+        norm, out = norm_and_scales(weight, lora_A, lora_B, 0.5, magnitude)
+        assert_close(norm, ref, NORM_RTOL[torch.bfloat16], f"norm, {dtype} magnitude")
+        assert_close(out, scales(magnitude.double(), ref), NORM_RTOL[torch.bfloat16], f"scales, {dtype} magnitude")

@@ -3,8 +3,9 @@
 ``||W + s B A||^2 = ||W||^2 + 2s <W a^T, B>_row + s^2 <B G, B>_row`` with ``a = A`` rounded to W's dtype and
 ``G = a a^T`` (docs/math.md), as ``norm_gemm`` computes it, but for ``r <= MAX_R`` in one kernel: each program owns
 ``BLOCK_M`` rows, streams its rows of ``W`` once with the tiles of ``A`` (cast in registers, the rounding of
-``A.to(W.dtype)``), accumulates its ``C = W_rows a^T`` and the whole ``G`` (``r x r``: recomputed by every program,
-a few percent of the work at these ranks) on the tensor cores, then finishes the row norm and the scales. No
+``A.to(W.dtype)``), accumulates its ``C = W_rows a^T`` and the whole ``G`` (``r x r``, recomputed by every program:
+as much work as its rows' cross term once ``BLOCK_M >= r``, which bounds the rank) on the tensor cores, then
+finishes the row norm and the scales. No
 ``[d_out, r]`` product and no ``G`` reach memory, and a miss is one launch instead of ``norm_gemm``'s cast, two
 cuBLAS calls and two launches: on the device machines' CPU, tens of microseconds a layer and optimizer step.
 Larger ranks take ``norm_gemm``, whose cuBLAS GEMM runs the cross term faster than a Triton one once it is not bound
@@ -112,9 +113,10 @@ def _args(weight, lora_A, lora_B, w_sq, m, norm, scales, scaling: float) -> tupl
     )  # fmt: skip
 
 
-def _key(weight, lora_A, lora_B) -> tuple:
+def _key(weight, lora_A, lora_B, m) -> tuple:
+    """What the tuned config and the compiled kernel depend on: the autotuner's key and every tensor's dtype."""
     d_out, d_in = weight.shape
-    return (d_out, d_in, lora_A.shape[0], weight.dtype, lora_A.dtype, lora_B.dtype)
+    return (d_out, d_in, lora_A.shape[0], weight.dtype, lora_A.dtype, lora_B.dtype, m.dtype)
 
 
 def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, norm, scales) -> None:
@@ -125,7 +127,7 @@ def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, nor
     m = magnitude.detach().contiguous()
     args = _args(weight, lora_A, lora_B, w_sq, m, norm, scales, scaling)
     grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_M"]),)  # noqa: E731
-    launcher.launch(_small_kernel, grid, _key(weight, lora_A, lora_B), args, _flags(lora_A.shape[0]))
+    launcher.launch(_small_kernel, grid, _key(weight, lora_A, lora_B, m), args, _flags(lora_A.shape[0]))
 
 
 def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
@@ -137,7 +139,7 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     m = lora_B.new_empty(1, dtype=magnitude.dtype)
     scales = f32.new_empty((3, d_out))
     args = _args(weight, lora_A, lora_B, f32, m, f32, scales, 1.0)
-    plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B), args,
+    plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B, m), args,
                                 _flags(lora_A.shape[0]))  # fmt: skip
     if plan is None:
         return None

@@ -171,9 +171,9 @@ class NormCache:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
-        miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernel, then
-        cuBLAS for the cross term), freed once the norm is computed. ``dtype``: the layer input's dtype, which an 8-bit
-        weight is dequantized to (as PEFT's DoRA casts it)."""
+        miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernels), runs
+        the 16-bit norm on it and frees it. ``dtype``: the layer input's dtype, which an 8-bit weight is dequantized to
+        (as PEFT's DoRA casts it)."""
         if owner is None or weight.is_meta or not cache_enabled():
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
         try:
