@@ -331,6 +331,15 @@ def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monke
         assert mode.numels and max(mode.numels) <= 7 * 24 < 40 * 24
 
 
+def _int8_bf16_model():
+    """``_model("int8")`` in bf16 around its int8 layers (embeddings, norms, the head)."""
+    model = _model("int8")
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32:
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
 def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
     """bf16 activations on an int8 base: over several optimizer steps the miss dequantizes each weight to bf16 (never
     a float32 ``[d_out, d_in]`` weight), ``||W||^2`` once per layer, and training goes on past the first step (PEFT's
@@ -338,10 +347,7 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
     from flashdora.ops import norm as norm_ops
     from flashdora.ops import norm_cache
 
-    model = _model("int8")
-    for p in model.parameters():
-        if not p.requires_grad and p.dtype == torch.float32:
-            p.data = p.data.to(torch.bfloat16)  # embeddings, norms, the head: a bf16 model around the int8 layers
+    model = _int8_bf16_model()
     flashdora.enable(model)
     flashdora.reset_stats()
     dtypes = []
@@ -364,3 +370,51 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
         got = model(input_ids=ids).logits
         flashdora.invalidate()
         assert torch.equal(model(input_ids=ids).logits, got)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeypatch):
+    """A bf16 layer's norm-cache misses on the Triton path (the GPU's; the interpreter here) allocate no float32
+    tensor the size of a base weight (PEFT's QDoRA forms several) and nothing larger than the largest 16-bit weight
+    the layers' own forwards dequantize; an 8-bit weight's float32 values come a row chunk at a time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashdora import layers
+    from flashdora.ops import norm_cache
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    monkeypatch.setattr(layers, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk
+    model = _bf16_model() if kind == "nf4" else _int8_bf16_model()
+    flashdora.enable(model)
+    bases = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
+    smallest = min(m.in_features * m.out_features for m in bases)
+    largest_16bit = 2 * max(m.in_features * m.out_features for m in bases)
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []  # (dtype, numel, bytes) of every tensor an op allocates
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not any(r.alias_info is not None for r in func._schema.returns):  # views allocate nothing
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.seen.append((t.dtype, t.numel(), t.numel() * t.element_size()))
+            return out
+
+    mode = Outputs()
+    real = norm_cache.NormCache.lookup_owner.__func__
+
+    def watched(cls, *args, **kwargs):
+        with mode:
+            return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(norm_cache.NormCache, "lookup_owner", classmethod(watched))
+    flashdora.reset_stats()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "int8"):
+        _step(model, _ids())
+    assert flashdora.stats()["norm:triton"] == len(bases)
+    float32 = [n for dtype, n, _ in mode.seen if dtype == torch.float32]
+    assert float32 and max(float32) < smallest, (max(float32), smallest)
+    assert max(b for *_, b in mode.seen) <= largest_16bit
