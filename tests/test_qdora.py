@@ -1,92 +1,16 @@
 """QDoRA: DoRA on bitsandbytes 4-bit and 8-bit bases (bitsandbytes' CPU backend runs them here)."""
 
 import copy
-import warnings
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashdora
 from tests.helpers import rel_err
 from tests.peft_models import unpatched  # noqa: F401 (fixture)
+from tests.qdora_models import bf16_model, count_dequantizations, int8_bf16_model, qdora_model, token_ids, train_step
 
 bnb = pytest.importorskip("bitsandbytes")
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: str) -> None:
-    """Every Linear but the LM head replaced by a bitsandbytes layer holding the same weights."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and name != "lm_head":
-            if kind == "int8":
-                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
-                                            has_fp16_weights=False)  # fmt: skip
-                layer.weight = bnb.nn.Int8Params(child.weight.data.cpu(), requires_grad=False, has_fp16_weights=False)
-            else:
-                layer = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
-                    quant_type=kind.removesuffix("-dq"), compress_statistics=kind.endswith("-dq"),
-                )  # fmt: skip
-                layer.weight = bnb.nn.Params4bit(
-                    child.weight.data.cpu().clone(), requires_grad=False, quant_type=kind.removesuffix("-dq"),
-                    compress_statistics=kind.endswith("-dq"),
-                )  # fmt: skip
-                # (on AVX512-BF16 hosts bitsandbytes rewrites the layout in place at the first eval forward, after
-                # which PEFT's dequantization reads garbage)
-                layer.support_avx512bf16_for_cpu = False
-            setattr(module, name, layer.to(device))  # (int8 quantizes when moved to CUDA)
-        else:
-            _quantize(child, kind, compute_dtype, device)
-
-
-def _model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu"):
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
-    base = LlamaForCausalLM(config).to(device)
-    _quantize(base, kind, compute_dtype, device)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, target_modules=TARGETS,
-                      init_lora_weights=False)  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return get_peft_model(base, lora)
-
-
-def _ids(seed=1):
-    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-def _step(model, ids, seed=5):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _bf16_model():
-    """``_model("nf4")`` with bf16 compute whose weights dequantize to bf16, the layer's compute dtype."""
-    model = _model("nf4", compute_dtype=torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.weight.quant_state.dtype = torch.bfloat16
-    return model
-
-
-def _count_dequantizations(monkeypatch):
-    """A list that records each dequantization of a base by the norm cache."""
-    from flashdora.ops import norm_cache
-
-    calls = []
-    real = norm_cache.dequantized
-    monkeypatch.setattr(norm_cache, "dequantized", lambda base, *packed: calls.append(base) or real(base, *packed))
-    return calls
-
 
 KINDS = [
     pytest.param("nf4", "cpu", id="nf4"),
@@ -102,19 +26,19 @@ KINDS = [
 def test_qdora_matches_peft(kind, device, dropout):
     """Eval logits and a training step's gradients (dropout masks alike) as PEFT's own QDoRA computes them, fp32
     compute; flashdora ran every layer (no fallback)."""
-    model = _model(kind, dropout=dropout, device=device)
+    model = qdora_model(kind, dropout=dropout, device=device)
     # int8: bitsandbytes' matmul returns fp16, and PEFT composes in it, flashdora in float32 (~5e-4 apart)
     tol_out, tol_grad = (2e-3, 1e-2) if kind == "int8" else (1e-5, 1e-4)
     twin = copy.deepcopy(model)
     flashdora.enable(model)
     flashdora.reset_stats()
-    ids = _ids().to(device)
+    ids = token_ids().to(device)
     model.eval()
     twin.eval()
     with torch.no_grad():
         assert rel_err(model(input_ids=ids).logits, twin(input_ids=ids).logits) <= tol_out
-    logits, grads = _step(model, ids)
-    ref_logits, ref_grads = _step(twin, ids)
+    logits, grads = train_step(model, ids)
+    ref_logits, ref_grads = train_step(twin, ids)
     assert rel_err(logits, ref_logits) <= tol_out
     assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
     for name, ref in ref_grads.items():
@@ -126,11 +50,11 @@ def test_qdora_matches_peft(kind, device, dropout):
 
 def test_qdora_bf16_compute_within_peft_error():
     """bf16 compute: flashdora's error against a float32-compute reference is no larger than PEFT's own."""
-    ids = _ids()
+    ids = token_ids()
     outs = {}
     for name, dtype, enabled in [("ref", torch.float32, False), ("peft", torch.bfloat16, False),
                                  ("flash", torch.bfloat16, True)]:  # fmt: skip
-        model = _model("nf4", compute_dtype=dtype)
+        model = qdora_model("nf4", compute_dtype=dtype)
         if enabled:
             flashdora.enable(model)
         model.eval()
@@ -145,7 +69,7 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
     from flashdora.ops import norm as norm_ops
     from flashdora.ops import norm_cache
 
-    model = _bf16_model()
+    model = bf16_model()
     flashdora.enable(model)
     calls, shapes = [], []
     real = norm_ops.weight_sq
@@ -158,7 +82,7 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
     monkeypatch.setattr(norm_cache, "weight_sq", counting)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for step in range(3):
-        _step(model, _ids(step))
+        train_step(model, token_ids(step))
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(calls) == n_layers  # once per layer, not once per step
@@ -168,10 +92,10 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
 def test_qdora_in_place_write_to_the_packed_weight_is_seen():
     """flashdora reads a packed weight's key through a plain alias (``detach``: Params4bit's ``__torch_function__`` is
     slow); an in-place write into the packed parameter must still move that key, so the norm is recomputed."""
-    model = _model()
+    model = qdora_model()
     flashdora.enable(model)
     model.eval()
-    ids = _ids()
+    ids = token_ids()
     with torch.no_grad():
         model(input_ids=ids)  # fills the cache
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
@@ -190,21 +114,21 @@ def test_qdora_triton_miss_dequantizes_once_and_matches_eager(monkeypatch):
     together) and never on a hit: over several optimizer steps, once per layer and step; the trained model's output
     is the eager path's (same weights)."""
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    model = _bf16_model()
+    model = bf16_model()
     flashdora.enable(model)
     flashdora.reset_stats()
-    calls = _count_dequantizations(monkeypatch)
+    calls = count_dequantizations(monkeypatch)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps = 3
     for step in range(steps):
-        _step(model, _ids(step))
+        train_step(model, token_ids(step))
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(calls) == n_layers * steps
     stats = flashdora.stats()
     assert stats["norm:triton"] == n_layers * steps and not any(k.startswith("peft_fallback") for k in stats)
     model.eval()
-    ids = _ids(9)
+    ids = token_ids(9)
     with torch.no_grad():
         got = model(input_ids=ids).logits.float()
         assert len(calls) == n_layers * (steps + 1)  # the optimizer's last step: one more miss per layer
@@ -263,113 +187,12 @@ def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):
     """Off CUDA a 4-bit weight is dequantized by ``bitsandbytes.functional.dequantize_4bit`` itself, once a call."""
     from flashdora import layers
 
-    layer = _model("nf4").base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    layer = qdora_model("nf4").base_model.model.model.layers[0].self_attn.q_proj.base_layer
     calls = []
     real = bnb.functional.dequantize_4bit
     monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = layers.dequantized(layer)
     assert calls == [1] and torch.equal(got, real(layer.weight.data, layer.weight.quant_state))
-
-
-def test_qdora_int8_on_the_cpu_matches_peft():
-    """``Linear8bitLt`` on bitsandbytes' CPU backend: a training step's logits and gradients as PEFT's own QDoRA
-    computes them; flashdora ran every layer. (One step only: on the CPU, PEFT's dequantization re-assigns the int8
-    weight, after which bitsandbytes' next forward finds no scales, with PEFT's QDoRA alone too.)"""
-    model = _model("int8")
-    twin = copy.deepcopy(model)
-    flashdora.enable(model)
-    flashdora.reset_stats()
-    ids = _ids()
-    logits, grads = _step(model, ids)
-    ref_logits, ref_grads = _step(twin, ids)
-    assert rel_err(logits, ref_logits) <= 1e-5  # (on the CPU bitsandbytes' int8 matmul returns float32)
-    assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
-    for name, ref in ref_grads.items():
-        assert rel_err(grads[name], ref) <= 1e-4, name
-    stats = flashdora.stats()
-    assert not any(k.startswith("peft_fallback") for k in stats), stats
-    assert stats.get("norm:eager", 0) > 0
-
-
-def _int8_layer(d_out=40, d_in=24, seed=0):
-    torch.manual_seed(seed)
-    layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=False, has_fp16_weights=False)
-    layer.weight = bnb.nn.Int8Params(torch.randn(d_out, d_in) * 0.05, requires_grad=False, has_fp16_weights=False)
-    return layer.to("cpu")  # (quantizes)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monkeypatch):
-    """An 8-bit weight dequantizes to bitsandbytes' ``int8_vectorwise_dequant`` (PEFT's float32 weight) cast to the
-    requested dtype, bit for bit, row chunk by row chunk: in a 16-bit dtype no float32 tensor larger than a chunk
-    exists. The layer keeps its weight and scales (PEFT's CPU path re-assigns the weight)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from flashdora import layers
-
-    layer = _int8_layer()
-    weight, scb = layer.weight, layer.weight.SCB
-    want = bnb.functional.int8_vectorwise_dequant(weight.data, scb).to(dtype)
-    monkeypatch.setattr(layers, "_INT8_CHUNK", 7 * 24)  # 7 rows a chunk: 6 chunks, the last one short
-
-    class Float32Outputs(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                self.numels.append(out.numel())
-            return out
-
-    with Float32Outputs() as mode:
-        got = layers.dequantized(layer, dtype=dtype)
-    assert got.dtype == dtype and torch.equal(got, want)
-    assert layer.weight is weight and layer.weight.SCB is scb and layer.weight.dtype == torch.int8
-    if dtype != torch.float32:
-        assert mode.numels and max(mode.numels) <= 7 * 24 < 40 * 24
-
-
-def _int8_bf16_model():
-    """``_model("int8")`` in bf16 around its int8 layers (embeddings, norms, the head)."""
-    model = _model("int8")
-    for p in model.parameters():
-        if not p.requires_grad and p.dtype == torch.float32:
-            p.data = p.data.to(torch.bfloat16)
-    return model
-
-
-def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
-    """bf16 activations on an int8 base: over several optimizer steps the miss dequantizes each weight to bf16 (never
-    a float32 ``[d_out, d_in]`` weight), ``||W||^2`` once per layer, and training goes on past the first step (PEFT's
-    QDoRA stops there on the CPU); the trained model's output is its uncached recomputation's."""
-    from flashdora.ops import norm as norm_ops
-    from flashdora.ops import norm_cache
-
-    model = _int8_bf16_model()
-    flashdora.enable(model)
-    flashdora.reset_stats()
-    dtypes = []
-    real = norm_ops.weight_sq
-    monkeypatch.setattr(norm_cache, "weight_sq", lambda w, triton: dtypes.append(w.dtype) or real(w, triton))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    steps = 3
-    for step in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # (without it PEFT casts the input to the fp32 adapters')
-            logits, _ = _step(model, _ids(step))
-        assert logits.isfinite().all()
-        opt.step()
-    n_layers = sum(isinstance(m, bnb.nn.Linear8bitLt) for m in model.modules())
-    assert len(dtypes) == n_layers and set(dtypes) == {torch.bfloat16}
-    stats = flashdora.stats()
-    assert stats["norm:eager"] == n_layers * steps and not any(k.startswith("peft_fallback") for k in stats)
-    model.eval()
-    ids = _ids(9)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        got = model(input_ids=ids).logits
-        flashdora.invalidate()
-        assert torch.equal(model(input_ids=ids).logits, got)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
@@ -384,7 +207,7 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     monkeypatch.setattr(layers, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk
-    model = _bf16_model() if kind == "nf4" else _int8_bf16_model()
+    model = bf16_model() if kind == "nf4" else int8_bf16_model()
     flashdora.enable(model)
     bases = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
     smallest = min(m.in_features * m.out_features for m in bases)
@@ -413,7 +236,7 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
     monkeypatch.setattr(norm_cache.NormCache, "lookup_owner", classmethod(watched))
     flashdora.reset_stats()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "int8"):
-        _step(model, _ids())
+        train_step(model, token_ids())
     assert flashdora.stats()["norm:triton"] == len(bases)
     float32 = [n for dtype, n, _ in mode.seen if dtype == torch.float32]
     assert float32 and max(float32) < smallest, (max(float32), smallest)

@@ -1,0 +1,93 @@
+"""Tiny Llama models with bitsandbytes bases for the QDoRA tests, and a training step on them."""
+
+import warnings
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: str) -> None:
+    """Every Linear but the LM head replaced by a bitsandbytes layer holding the same weights."""
+    import bitsandbytes as bnb
+
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and name != "lm_head":
+            if kind == "int8":
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None,
+                                            has_fp16_weights=False)  # fmt: skip
+                layer.weight = bnb.nn.Int8Params(child.weight.data.cpu(), requires_grad=False, has_fp16_weights=False)
+            else:
+                layer = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
+                    quant_type=kind.removesuffix("-dq"), compress_statistics=kind.endswith("-dq"),
+                )  # fmt: skip
+                layer.weight = bnb.nn.Params4bit(
+                    child.weight.data.cpu().clone(), requires_grad=False, quant_type=kind.removesuffix("-dq"),
+                    compress_statistics=kind.endswith("-dq"),
+                )  # fmt: skip
+                # (on AVX512-BF16 hosts bitsandbytes rewrites the layout in place at the first eval forward, after
+                # which PEFT's dequantization reads garbage)
+                layer.support_avx512bf16_for_cpu = False
+            setattr(module, name, layer.to(device))  # (int8 quantizes when moved to CUDA)
+        else:
+            quantize(child, kind, compute_dtype, device)
+
+
+def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
+    base = LlamaForCausalLM(config).to(device)
+    quantize(base, kind, compute_dtype, device)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, target_modules=TARGETS,
+                      init_lora_weights=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(base, lora)
+
+
+def token_ids(seed=1):
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(model, ids, seed=5):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def bf16_model():
+    """``qdora_model("nf4")`` with bf16 compute whose weights dequantize to bf16, the layer's compute dtype."""
+    import bitsandbytes as bnb
+
+    model = qdora_model("nf4", compute_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.weight.quant_state.dtype = torch.bfloat16
+    return model
+
+
+def count_dequantizations(monkeypatch):
+    """A list that records each dequantization of a base by the norm cache."""
+    from flashdora.ops import norm_cache
+
+    calls = []
+    real = norm_cache.dequantized
+    monkeypatch.setattr(norm_cache, "dequantized", lambda base, *packed: calls.append(base) or real(base, *packed))
+    return calls
+
+
+def int8_bf16_model():
+    """``qdora_model("int8")`` in bf16 around its int8 layers (embeddings, norms, the head)."""
+    model = qdora_model("int8")
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype == torch.float32:
+            p.data = p.data.to(torch.bfloat16)
+    return model
