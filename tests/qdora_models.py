@@ -1,4 +1,4 @@
-"""Tiny Llama models with bitsandbytes bases for the QDoRA tests, and a training step on them."""
+"""Tiny Llama models with bitsandbytes bases for the QDoRA tests."""
 
 import warnings
 
@@ -48,19 +48,6 @@ def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, de
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(base, lora)
-
-
-def token_ids(seed=1):
-    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-def train_step(model, ids, seed=5):
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def bf16_model():

@@ -7,8 +7,12 @@ import torch
 
 import flashdora
 from tests.helpers import rel_err
-from tests.peft_models import unpatched  # noqa: F401 (fixture)
-from tests.qdora_models import bf16_model, count_dequantizations, int8_bf16_model, qdora_model, token_ids, train_step
+from tests.peft_models import (
+    make_ids,
+    train_step,
+    unpatched,  # noqa: F401 (fixture)
+)
+from tests.qdora_models import bf16_model, count_dequantizations, int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -32,13 +36,13 @@ def test_qdora_matches_peft(kind, device, dropout):
     twin = copy.deepcopy(model)
     flashdora.enable(model)
     flashdora.reset_stats()
-    ids = token_ids().to(device)
+    ids = make_ids(256).to(device)
     model.eval()
     twin.eval()
     with torch.no_grad():
         assert rel_err(model(input_ids=ids).logits, twin(input_ids=ids).logits) <= tol_out
-    logits, grads = train_step(model, ids)
-    ref_logits, ref_grads = train_step(twin, ids)
+    _, logits, grads = train_step(model, ids)
+    _, ref_logits, ref_grads = train_step(twin, ids)
     assert rel_err(logits, ref_logits) <= tol_out
     assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
     for name, ref in ref_grads.items():
@@ -50,7 +54,7 @@ def test_qdora_matches_peft(kind, device, dropout):
 
 def test_qdora_bf16_compute_within_peft_error():
     """bf16 compute: flashdora's error against a float32-compute reference is no larger than PEFT's own."""
-    ids = token_ids()
+    ids = make_ids(256)
     outs = {}
     for name, dtype, enabled in [("ref", torch.float32, False), ("peft", torch.bfloat16, False),
                                  ("flash", torch.bfloat16, True)]:  # fmt: skip
@@ -82,7 +86,7 @@ def test_qdora_base_norm_once_and_no_float32_dense_weight(monkeypatch):
     monkeypatch.setattr(norm_cache, "weight_sq", counting)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for step in range(3):
-        train_step(model, token_ids(step))
+        train_step(model, make_ids(256, step))
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(calls) == n_layers  # once per layer, not once per step
@@ -95,7 +99,7 @@ def test_qdora_in_place_write_to_the_packed_weight_is_seen():
     model = qdora_model()
     flashdora.enable(model)
     model.eval()
-    ids = token_ids()
+    ids = make_ids(256)
     with torch.no_grad():
         model(input_ids=ids)  # fills the cache
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
@@ -121,14 +125,14 @@ def test_qdora_triton_miss_dequantizes_once_and_matches_eager(monkeypatch):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     steps = 3
     for step in range(steps):
-        train_step(model, token_ids(step))
+        train_step(model, make_ids(256, step))
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert len(calls) == n_layers * steps
     stats = flashdora.stats()
     assert stats["norm:triton"] == n_layers * steps and not any(k.startswith("peft_fallback") for k in stats)
     model.eval()
-    ids = token_ids(9)
+    ids = make_ids(256, 9)
     with torch.no_grad():
         got = model(input_ids=ids).logits.float()
         assert len(calls) == n_layers * (steps + 1)  # the optimizer's last step: one more miss per layer
@@ -236,7 +240,7 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
     monkeypatch.setattr(norm_cache.NormCache, "lookup_owner", classmethod(watched))
     flashdora.reset_stats()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "int8"):
-        train_step(model, token_ids())
+        train_step(model, make_ids(256))
     assert flashdora.stats()["norm:triton"] == len(bases)
     float32 = [n for dtype, n, _ in mode.seen if dtype == torch.float32]
     assert float32 and max(float32) < smallest, (max(float32), smallest)

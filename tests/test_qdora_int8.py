@@ -7,8 +7,12 @@ import torch
 
 import flashdora
 from tests.helpers import rel_err
-from tests.peft_models import unpatched  # noqa: F401 (fixture)
-from tests.qdora_models import int8_bf16_model, qdora_model, token_ids, train_step
+from tests.peft_models import (
+    make_ids,
+    train_step,
+    unpatched,  # noqa: F401 (fixture)
+)
+from tests.qdora_models import int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -21,9 +25,9 @@ def test_qdora_int8_on_the_cpu_matches_peft():
     twin = copy.deepcopy(model)
     flashdora.enable(model)
     flashdora.reset_stats()
-    ids = token_ids()
-    logits, grads = train_step(model, ids)
-    ref_logits, ref_grads = train_step(twin, ids)
+    ids = make_ids(256)
+    _, logits, grads = train_step(model, ids)
+    _, ref_logits, ref_grads = train_step(twin, ids)
     assert rel_err(logits, ref_logits) <= 1e-5  # (on the CPU bitsandbytes' int8 matmul returns float32)
     assert grads.keys() == ref_grads.keys() and any("magnitude" in k for k in grads)
     for name, ref in ref_grads.items():
@@ -90,7 +94,7 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
     steps = 3
     for step in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):  # (without it PEFT casts the input to the fp32 adapters')
-            logits, _ = train_step(model, token_ids(step))
+            _, logits, _ = train_step(model, make_ids(256, step))
         assert logits.isfinite().all()
         opt.step()
     n_layers = sum(isinstance(m, bnb.nn.Linear8bitLt) for m in model.modules())
@@ -98,7 +102,7 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
     stats = flashdora.stats()
     assert stats["norm:eager"] == n_layers * steps and not any(k.startswith("peft_fallback") for k in stats)
     model.eval()
-    ids = token_ids(9)
+    ids = make_ids(256, 9)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got = model(input_ids=ids).logits
         flashdora.invalidate()
