@@ -310,3 +310,51 @@ def test_small_rank_kernel_with_magnitudes_of_every_dtype_in_turn(device, poison
         norm, out = norm_and_scales(weight, lora_A, lora_B, 0.5, magnitude)
         assert_close(norm, ref, NORM_RTOL[torch.bfloat16], f"norm, {dtype} magnitude")
         assert_close(out, scales(magnitude.double(), ref), NORM_RTOL[torch.bfloat16], f"scales, {dtype} magnitude")
+
+
+@pytest.mark.parametrize(
+    "d_out, d_in, r, splits",
+    [
+        pytest.param(70, 100, 12, [(1, 100), (2, 64), (4, 32), (7, 16), (3, 40)], id="70x100-r12"),
+        pytest.param(33, 48, 64, [(1, 48), (3, 16)], id="33x48-r64"),
+        pytest.param(1024, 4096, 64, [(1, 4096), (8, 512), (5, 896)], id="1024x4096-r64", marks=pytest.mark.gpu),
+        pytest.param(4096, 14336, 16, [(1, 14336), (9, 1664)], id="4096x14336-r16", marks=pytest.mark.gpu),
+    ],
+)
+def test_small_rank_kernel_split_over_d_in(d_out, d_in, r, splits, device, poisoned_empty):
+    """Split into column ranges (partial sums, then the scales kernel adds them), the small-rank kernel meets the bar
+    against float64 for every split (the last range shorter, ranges not a multiple of BLOCK_K), and the splits agree
+    within float32 summation order; a zero row still gives ``0, -1, 0``."""
+    from flashdora.kernels import norm_small
+    from flashdora.ops.norm import scales, weight_sq
+
+    weight, lora_A, lora_B = _inputs(d_out, d_in, r, torch.bfloat16, torch.float32, device)
+    weight[0], lora_B[0] = 0, 0
+    ref = row_norm_ref(weight.double(), lora_A.to(torch.bfloat16).double(), lora_B.double(), 0.7)
+    magnitude = ref * (0.5 + torch.rand_like(ref))
+    w_sq = weight_sq(weight, device == "cuda")
+    first = None
+    for n_split, chunk in splits:
+        norm = torch.empty(d_out, device=device)
+        out = torch.empty((3, d_out), device=device)
+        norm_small.norm_and_scales(weight, lora_A, lora_B, 0.7, magnitude, w_sq, norm, out, (n_split, chunk))
+        assert_close(norm, ref, NORM_RTOL[torch.bfloat16], f"norm, {n_split} splits")
+        assert_close(out, scales(magnitude.double(), ref), NORM_RTOL[torch.bfloat16], f"scales, {n_split} splits")
+        assert out[:, 0].tolist() == [0.0, -1.0, 0.0]
+        first = norm if first is None else first
+        assert_close(norm, first.double(), 1e-5, f"{n_split} splits vs one")
+
+
+def test_split_fills_the_gpu_without_short_chunks(monkeypatch):
+    """``split`` on an H100/H200 (132 multiprocessors) at the 8B shapes: enough programs, chunks of at least 512
+    columns (multiples of 128), every column in one chunk; wide layers and short rows are not split."""
+    from flashdora.kernels import norm_small
+
+    monkeypatch.setattr(norm_small, "MIN_CHUNK", 512)
+    monkeypatch.setattr(norm_small, "CHUNK_ALIGN", 128)
+    want = {(1024, 4096): (8, 512), (4096, 4096): (8, 512), (14336, 4096): (3, 1408), (4096, 14336): (9, 1664),
+            (4096, 600): (1, 600), (65536, 4096): (1, 4096), (1, 17): (1, 17)}  # fmt: skip
+    for (d_out, d_in), (n_split, chunk) in want.items():
+        assert norm_small._split(d_out, d_in, 132) == (n_split, chunk), (d_out, d_in)
+        if n_split > 1:
+            assert chunk % 128 == 0 and chunk >= 512 and (n_split - 1) * chunk < d_in <= n_split * chunk

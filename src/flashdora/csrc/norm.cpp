@@ -1,6 +1,6 @@
 // A norm cache miss on the Triton path, in C++ (flashdora.native's `norm_scales`; kernels/norm.py
-// `norm_and_scales`). Ranks up to kernels/norm_small.py's MAX_R take that file's one kernel (one launch); the rest
-// take the path below.
+// `norm_and_scales`). Ranks up to kernels/norm_small.py's MAX_R take that file's kernel (one launch, two where it
+// splits d_in); the rest take the path below.
 //
 // A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
 // its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
@@ -26,7 +26,9 @@ struct NormPlan {
   int64_t block_j = 0;      // the epilogue's r-slice (grid y)
   int64_t block_m = 0;      // its tuned BLOCK_M (grid x)
   Plan epilogue, scales;
-  Plan small;               // kernels/norm_small.py's kernel (block_m: its tuned BLOCK_M)
+  Plan small;               // kernels/norm_small.py's kernel (block_m: its tuned BLOCK_M; n_split: its d_in splits)
+  Plan small_scales;        // with several splits, the scales kernel that adds their partial sums
+  int64_t small_chunk = 0;  // the columns of one split
   int64_t misses = 0;       // calls that found no plan (function 0)
 };
 
@@ -68,19 +70,29 @@ py::object finish(const NormPlan& plan, const at::Tensor& c, int64_t stride_cm, 
   return py::make_tuple(norm, scales);
 }
 
-// kernels/norm_small.py `norm_and_scales`: one launch writes the norm and the scales.
-py::object norm_scales_small(const Plan& plan, const at::Tensor& weight, const at::Tensor& lora_A,
+// kernels/norm_small.py `norm_and_scales`: one launch writes the norm and the scales, or (d_in split) one writes
+// the partial sums and the scales kernel adds them.
+py::object norm_scales_small(const NormPlan& plan, const at::Tensor& weight, const at::Tensor& lora_A,
                              const at::Tensor& lora_B, const at::Tensor& m, const at::Tensor& w_sq, double scaling) {
   if (!aligned(weight) || !aligned(lora_A)) return py::none();
   const int64_t d_out = weight.size(0), d_in = weight.size(1), r = lora_A.size(0);
-  at::Tensor norm = at::empty({d_out}, w_sq.options());
-  at::Tensor scales = at::empty({3, d_out}, w_sq.options());
-  launch(plan,
-         {ptr(weight), ptr(lora_A), ptr(lora_B), ptr(w_sq), ptr(m), ptr(norm), ptr(scales), integer(d_out),
-          integer(d_in), integer(r), Arg{'f', nullptr, 0, 2.0 * scaling}, Arg{'f', nullptr, 0, scaling * scaling},
-          integer(weight.stride(0)), integer(weight.stride(1)), integer(lora_A.stride(0)), integer(lora_A.stride(1)),
-          integer(lora_B.stride(0)), integer(lora_B.stride(1)), integer(d_out)},
-         cdiv(d_out, plan.block_m), 1, current_stream(weight.device()));
+  const int64_t n_split = plan.small.n_split;
+  at::Tensor both = at::empty({4, d_out}, w_sq.options());
+  at::Tensor norm = both.select(0, 0), scales = both.narrow(0, 1, 3);
+  at::Tensor part = n_split > 1 ? at::empty({n_split, d_out}, w_sq.options()) : norm;
+  void* stream = current_stream(weight.device());
+  launch(plan.small,
+         {ptr(weight), ptr(lora_A), ptr(lora_B), ptr(w_sq), ptr(m), ptr(norm), ptr(scales), ptr(part),
+          integer(d_out), integer(d_in), integer(r), Arg{'f', nullptr, 0, 2.0 * scaling},
+          Arg{'f', nullptr, 0, scaling * scaling}, integer(plan.small_chunk), integer(weight.stride(0)),
+          integer(weight.stride(1)), integer(lora_A.stride(0)), integer(lora_A.stride(1)), integer(lora_B.stride(0)),
+          integer(lora_B.stride(1)), integer(scales.stride(0))},
+         cdiv(d_out, plan.small.block_m), n_split, stream);
+  if (n_split > 1) {
+    launch(plan.small_scales,
+           {ptr(part), ptr(m), ptr(norm), ptr(scales), integer(n_split), integer(d_out), integer(scales.stride(0))},
+           cdiv(d_out, kScalesBlock), 1, stream);
+  }
   return py::make_tuple(norm, scales);
 }
 
@@ -118,7 +130,7 @@ py::object norm_scales(const at::Tensor& weight, const at::Tensor& lora_A, const
     if (++plan.misses > kMaxMisses) return py::none();
     return py::bool_(false);
   }
-  if (small) return norm_scales_small(plan.small, weight, lora_A, lora_B, m, w_sq, scaling);
+  if (small) return norm_scales_small(plan, weight, lora_A, lora_B, m, w_sq, scaling);
 
   at::NoGradGuard no_grad;
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // explicit dtypes throughout
@@ -196,11 +208,17 @@ void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at:
 
 // File the plan of `norm_scales` for small ranks (kernels/norm_small.py `native_plan`).
 void register_norm_small(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
-                         const at::Tensor& magnitude, int64_t block_m, int64_t function, int64_t warps,
-                         int64_t shared, std::string types, std::vector<int64_t> keep) {
+                         const at::Tensor& magnitude, int64_t block_m, int64_t n_split, int64_t chunk,
+                         int64_t function, int64_t warps, int64_t shared, std::string types, std::vector<int64_t> keep,
+                         int64_t s_function, int64_t s_warps, int64_t s_shared, std::string s_types,
+                         std::vector<int64_t> s_keep) {
   TORCH_CHECK(function != 0 && block_m > 0, "flashdora.native: register_norm_small needs a loaded kernel");
+  TORCH_CHECK(n_split >= 1 && chunk > 0, "flashdora.native: register_norm_small needs a positive split");
+  TORCH_CHECK(n_split == 1 || s_function != 0, "flashdora.native: register_norm_small needs the scales kernel");
   NormPlan& plan = norm_plans()[norm_key(weight, lora_A, lora_B, magnitude)];
-  plan.small = Plan{function, warps, shared, block_m, 0, 1, std::move(types), std::move(keep)};
+  plan.small = Plan{function, warps, shared, block_m, 0, n_split, std::move(types), std::move(keep)};
+  plan.small_scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
+  plan.small_chunk = chunk;
 }
 
 }  // namespace
