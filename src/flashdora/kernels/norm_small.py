@@ -101,7 +101,8 @@ def _small_kernel(
         p_ak += BLOCK_K * stride_ak
     p_bm = p_b + offs_m[:, None] * stride_bm + offs_r[None, :] * stride_br
     b_b = tl.load(p_bm, mask=mask_m[:, None] & mask_r[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_R]
-    bg = tl.dot(b_b, acc_g, input_precision="tf32")  # B G on TF32, as norm_gemm's epilogue
+    # B G in three TF32 passes (float32-accurate): one TF32 pass would round each split's partial G its own way
+    bg = tl.dot(b_b, acc_g, input_precision="tf32x3")
     sq = tl.sum((two_s * acc_c + s_sq * bg) * b_b, axis=1)
     if PARTIAL:
         sq += tl.where(k_lo == 0, tl.load(p_wsq + offs_m, mask=mask_m, other=0.0), 0.0)
