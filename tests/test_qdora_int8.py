@@ -107,3 +107,40 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
         got = model(input_ids=ids).logits
         flashdora.invalidate()
         assert torch.equal(model(input_ids=ids).logits, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(40, 24), (9, 70)], ids=["40x24", "9x70"])
+def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits(
+    dtype, shape, monkeypatch, poisoned_empty
+):
+    """On the Triton path an 8-bit weight dequantizes to a 16-bit dtype in one kernel (tiles cut by both edges),
+    bitsandbytes' float32 values cast, bit for bit, and no float32 tensor larger than the row scales is made on the
+    way (the interpreter copies its arguments)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashdora import layers
+    from flashdora.kernels import dequant
+
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    layer = _int8_layer(*shape)
+    want = bnb.functional.int8_vectorwise_dequant(layer.weight.data, layer.weight.SCB).to(dtype)
+    launches = []
+    real = dequant.int8_to
+    monkeypatch.setattr(dequant, "int8_to", lambda *a: launches.append(a[2]) or real(*a))
+
+    class Float32Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.float32 = [0]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.float32.append(out.numel())
+            return out
+
+    with Float32Outputs() as mode:
+        got = layers.dequantized(layer, dtype=dtype)
+    assert launches == [dtype] and max(mode.float32) <= shape[0]
+    assert got.dtype == dtype and torch.equal(got, want)

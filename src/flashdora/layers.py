@@ -11,6 +11,8 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from flashdora import backend
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -83,7 +85,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         return dequantize_module_weight(base)
 
 
-_INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it
+_INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it (kernels/dequant.py)
 _INT8_CHUNK = 16 * 1024 * 1024  # float32 elements of one row chunk's transient (64 MiB)
 
 
@@ -91,8 +93,9 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """An ``Int8Params`` weight ``CB * SCB / 127`` in ``dtype``, or ``None`` (not quantized: PEFT's function).
 
     The values are bitsandbytes' ``int8_vectorwise_dequant(CB, SCB)`` (float32, the weight PEFT's DoRA dequantizes
-    and casts to its input's dtype) cast to ``dtype``, computed in the same order. A 16-bit ``dtype`` is filled a row
-    chunk at a time, so no float32 ``[d_out, d_in]`` tensor exists, only a chunk of at most 64 MiB. It reads
+    and casts to its input's dtype) cast to ``dtype``, computed in the same order. A 16-bit ``dtype`` on the Triton
+    path is one kernel (``kernels/dequant.py``: no float32 tensor at all); elsewhere it is filled a row chunk at a
+    time, so no float32 ``[d_out, d_in]`` tensor exists, only a chunk of at most 64 MiB. It reads
     ``SCB`` from the layer's state or the parameter without writing either (PEFT's CPU path re-assigns the weight,
     after which bitsandbytes' forward finds no scales)."""
     state = getattr(base, "state", None)
@@ -100,7 +103,13 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     scb = getattr(base.weight, "SCB", None) if scb is None else scb
     if data.dtype != torch.int8 or data.dim() != 2 or scb is None:
         return None
-    scb = scb.to(data.device).view(-1, 1)
+    scb = scb.to(data.device)
+    if backend.use_triton(data):
+        from flashdora.kernels import dequant
+
+        if dequant.takes(data, scb, dtype):
+            return dequant.int8_to(data, scb, dtype)
+    scb = scb.view(-1, 1)
     if dtype == torch.float32:
         return data * scb * _INT8_SCALE
     out = torch.empty(data.shape, dtype=dtype, device=data.device)
