@@ -37,11 +37,11 @@ def test_qdora_int8_on_the_cpu_matches_peft():
     assert stats.get("norm:eager", 0) > 0
 
 
-def _int8_layer(d_out=40, d_in=24, seed=0):
+def _int8_layer(d_out=40, d_in=24, seed=0, device="cpu"):
     torch.manual_seed(seed)
     layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=False, has_fp16_weights=False)
     layer.weight = bnb.nn.Int8Params(torch.randn(d_out, d_in) * 0.05, requires_grad=False, has_fp16_weights=False)
-    return layer.to("cpu")  # (quantizes)
+    return layer.to(device)  # (quantizes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -110,9 +110,18 @@ def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", [(40, 24), (9, 70)], ids=["40x24", "9x70"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (40, 24),
+        (9, 70),
+        pytest.param((14336, 4096), marks=pytest.mark.gpu),
+        pytest.param((1000, 300), marks=pytest.mark.gpu),
+    ],
+    ids=["40x24", "9x70", "14336x4096", "1000x300"],
+)
 def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits(
-    dtype, shape, monkeypatch, poisoned_empty
+    dtype, shape, device, monkeypatch, poisoned_empty
 ):
     """On the Triton path an 8-bit weight dequantizes to a 16-bit dtype in one kernel (tiles cut by both edges),
     bitsandbytes' float32 values cast, bit for bit, and no float32 tensor larger than the row scales is made on the
@@ -123,7 +132,7 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     from flashdora.kernels import dequant
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    layer = _int8_layer(*shape)
+    layer = _int8_layer(*shape, device=device)
     want = bnb.functional.int8_vectorwise_dequant(layer.weight.data, layer.weight.SCB).to(dtype)
     launches = []
     real = dequant.int8_to
