@@ -44,13 +44,28 @@ def _int8_layer(d_out=40, d_in=24, seed=0, device="cpu"):
     return layer.to(device)  # (quantizes)
 
 
+def _float32_numels(fn):
+    """``fn()``, and the element counts of the float32 tensors its ops made (a 0 first)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    numels = [0]
+
+    class Float32Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                numels.append(out.numel())
+            return out
+
+    with Float32Outputs():
+        return fn(), numels
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monkeypatch):
     """An 8-bit weight dequantizes to bitsandbytes' ``int8_vectorwise_dequant`` (PEFT's float32 weight) cast to the
     requested dtype, bit for bit, row chunk by row chunk: in a 16-bit dtype no float32 tensor larger than a chunk
     exists. The layer keeps its weight and scales (PEFT's CPU path re-assigns the weight)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from flashdora import layers
 
     layer = _int8_layer()
@@ -58,23 +73,11 @@ def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monke
     want = bnb.functional.int8_vectorwise_dequant(weight.data, scb).to(dtype)
     monkeypatch.setattr(layers, "_INT8_CHUNK", 7 * 24)  # 7 rows a chunk: 6 chunks, the last one short
 
-    class Float32Outputs(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                self.numels.append(out.numel())
-            return out
-
-    with Float32Outputs() as mode:
-        got = layers.dequantized(layer, dtype=dtype)
+    got, numels = _float32_numels(lambda: layers.dequantized(layer, dtype=dtype))
     assert got.dtype == dtype and torch.equal(got, want)
     assert layer.weight is weight and layer.weight.SCB is scb and layer.weight.dtype == torch.int8
     if dtype != torch.float32:
-        assert mode.numels and max(mode.numels) <= 7 * 24 < 40 * 24
+        assert 0 < max(numels) <= 7 * 24 < 40 * 24
 
 
 def test_qdora_int8_bf16_trains_with_a_bf16_norm_once_per_layer(monkeypatch):
@@ -126,8 +129,6 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     """On the Triton path an 8-bit weight dequantizes to a 16-bit dtype in one kernel (tiles cut by both edges),
     bitsandbytes' float32 values cast, bit for bit, and no float32 tensor larger than the row scales is made on the
     way (the interpreter copies its arguments)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from flashdora import layers
     from flashdora.kernels import dequant
 
@@ -138,18 +139,6 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     real = dequant.int8_to
     monkeypatch.setattr(dequant, "int8_to", lambda *a: launches.append(a[2]) or real(*a))
 
-    class Float32Outputs(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.float32 = [0]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                self.float32.append(out.numel())
-            return out
-
-    with Float32Outputs() as mode:
-        got = layers.dequantized(layer, dtype=dtype)
-    assert launches == [dtype] and max(mode.float32) <= shape[0]
+    got, numels = _float32_numels(lambda: layers.dequantized(layer, dtype=dtype))
+    assert launches == [dtype] and max(numels) <= shape[0]
     assert got.dtype == dtype and torch.equal(got, want)
