@@ -347,13 +347,13 @@ def test_small_rank_kernel_split_over_d_in(d_out, d_in, r, splits, device, poiso
 
 def test_split_fills_the_gpu_without_short_chunks(monkeypatch):
     """``split`` on an H100/H200 (132 multiprocessors) at the 8B shapes: enough programs, chunks of at least 512
-    columns (multiples of 128), every column in one chunk; wide layers and short rows are not split."""
+    columns (multiples of 128), every column in one chunk; wide layers, short rows and empty layers are not split."""
     from flashdora.kernels import norm_small
 
     monkeypatch.setattr(norm_small, "MIN_CHUNK", 512)
     monkeypatch.setattr(norm_small, "CHUNK_ALIGN", 128)
     want = {(1024, 4096): (8, 512), (4096, 4096): (8, 512), (14336, 4096): (3, 1408), (4096, 14336): (9, 1664),
-            (4096, 600): (1, 600), (65536, 4096): (1, 4096), (1, 17): (1, 17)}  # fmt: skip
+            (4096, 600): (1, 600), (65536, 4096): (1, 4096), (1, 17): (1, 17), (0, 4096): (1, 4096)}  # fmt: skip
     for (d_out, d_in), (n_split, chunk) in want.items():
         assert norm_small._split(d_out, d_in, 132) == (n_split, chunk), (d_out, d_in)
         if n_split > 1:

@@ -70,6 +70,8 @@ def test_gpu_norm_scales_gives_the_python_paths_bits(
     for _ in range(2):  # the first call times the cross term's layouts and compiles; the second launches directly
         norm_py, scales_py = kn.norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
     assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling, max_r) is False  # no plan yet
+    if (d_out, d_in, r) == (1024, 4096, 64) and max_r:  # 16 row blocks: the small-rank kernel splits d_in here
+        assert norm_small.split(weight)[0] > 1
     assert ops_norm._register_plan(ext, weight, lora_A, lora_B, magnitude)
     _poison()
     with torch.autocast("cuda", dtype=torch.float16):  # the C++ path turns autocast off, as the Python path does

@@ -1,15 +1,14 @@
-"""A 16-bit weight's norm and DoRA's scales for a small rank in one launch: a cache miss of few host steps.
+"""A 16-bit weight's norm and DoRA's scales for a small rank in one or two launches: a cache miss of few host steps.
 
 ``||W + s B A||^2 = ||W||^2 + 2s <W a^T, B>_row + s^2 <B G, B>_row`` with ``a = A`` rounded to W's dtype and
 ``G = a a^T`` (docs/math.md), as ``norm_gemm`` computes it, but for ``r <= MAX_R`` in one kernel: each program owns
 ``BLOCK_M`` rows, streams its rows of ``W`` once with the tiles of ``A`` (cast in registers, the rounding of
 ``A.to(W.dtype)``), accumulates its ``C = W_rows a^T`` and the whole ``G`` (``r x r``, recomputed by every program:
 as much work as its rows' cross term once ``BLOCK_M >= r``, which bounds the rank) on the tensor cores, then
-finishes the row norm and the scales. No
-``[d_out, r]`` product and no ``G`` reach memory, and a miss is one launch instead of ``norm_gemm``'s cast, two
-cuBLAS calls and two launches: on the device machines' CPU, tens of microseconds a layer and optimizer step.
-Larger ranks take ``norm_gemm``, whose cuBLAS GEMM runs the cross term faster than a Triton one once it is not bound
-by reading ``W``.
+finishes the row norm and the scales. No ``[d_out, r]`` product and no ``G`` reach memory, and a miss is one launch
+(two where it splits d_in, below) instead of ``norm_gemm``'s cast, two cuBLAS calls and two launches: on the device
+machines' CPU, tens of microseconds a layer and optimizer step. Larger ranks take ``norm_gemm``, whose cuBLAS GEMM
+runs the cross term faster than a Triton one once it is not bound by reading ``W``.
 
 A layer with few row blocks (``d_out / BLOCK_M`` programs could not fill the GPU: the 8B shapes' k/v projections
 have 16) also splits d_in (``split``): grid ``(row blocks, splits)``, each program its rows' partial squared norm
@@ -18,8 +17,6 @@ and writes the norm and the scales (two launches, no atomics, the same bits on e
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -30,12 +27,12 @@ from flashdora.kernels.compose import _to_out
 
 MAX_R = 64  # the largest rank this kernel takes (its accumulators: [BLOCK_M, r] and [r, r] float32 per program)
 # Splitting d_in: aim at PROGRAMS_PER_SM programs a multiprocessor (counting row blocks of SPLIT_BLOCK_M rows), each
-# streaming at least MIN_CHUNK columns, chunks a multiple of CHUNK_ALIGN (every BLOCK_K; 16-byte aligned rows).
+# but the last streaming at least MIN_CHUNK columns, chunks a multiple of CHUNK_ALIGN (every BLOCK_K; 16-byte aligned
+# rows).
 PROGRAMS_PER_SM = 4
 SPLIT_BLOCK_M = 64
 MIN_CHUNK = 512 if not configs.INTERPRETED else 16
 CHUNK_ALIGN = 128 if not configs.INTERPRETED else 16
-INTERPRETED_SMS = 2  # what the interpreter counts as the device's multiprocessors
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -120,14 +117,15 @@ def takes(weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
 
 def split(weight: torch.Tensor) -> tuple[int, int]:
     """``(splits, chunk)``: how many column ranges of ``chunk`` columns the kernel splits ``weight``'s d_in into
-    (``(1, d_in)``: none). Enough programs for ``PROGRAMS_PER_SM`` a multiprocessor, none streaming fewer than
-    ``MIN_CHUNK`` columns; a function of the shape and the device only, so every call of a layer adds its partial
-    sums in the same order."""
-    sms = _sm_count(weight.get_device()) if weight.is_cuda else INTERPRETED_SMS
-    return _split(*weight.shape, sms)
+    (``(1, d_in)``: none). Enough programs for ``PROGRAMS_PER_SM`` a multiprocessor, every range but the last at
+    least ``MIN_CHUNK`` columns; a function of the shape and the device only, so every call of a layer adds its
+    partial sums in the same order."""
+    return _split(*weight.shape, configs.sm_count(weight.device))
 
 
 def _split(d_out: int, d_in: int, sms: int) -> tuple[int, int]:
+    if d_out == 0:
+        return 1, d_in
     want = triton.cdiv(PROGRAMS_PER_SM * sms, triton.cdiv(d_out, SPLIT_BLOCK_M))
     splits = max(1, min(want, d_in // MIN_CHUNK))
     if splits == 1:
@@ -135,11 +133,6 @@ def _split(d_out: int, d_in: int, sms: int) -> tuple[int, int]:
     chunk = triton.cdiv(triton.cdiv(d_in, splits), CHUNK_ALIGN) * CHUNK_ALIGN
     splits = triton.cdiv(d_in, chunk)
     return (1, d_in) if splits == 1 else (splits, chunk)
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def block_r(r: int) -> int:

@@ -168,8 +168,9 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -
 
 
 def _register_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
-    """Files with the C++ extension how ``norm_and_scales`` launched for this layer (its one small-rank kernel, or
-    ``norm_gemm``'s epilogue and the scales kernel), once the Python path has compiled them; whether it did."""
+    """Files with the C++ extension how ``norm_and_scales`` launched for this layer (its small-rank kernel, with the
+    scales kernel where it splits d_in, or ``norm_gemm``'s epilogue and the scales kernel), once the Python path has
+    compiled them; whether it did."""
     from flashdora.kernels import norm_small
     from flashdora.kernels.norm import native_plan
 
