@@ -85,7 +85,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         return dequantize_module_weight(base)
 
 
-_INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it (kernels/dequant.py)
+_INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it
 _INT8_CHUNK = 16 * 1024 * 1024  # float32 elements of one row chunk's transient (64 MiB)
 
 
@@ -108,7 +108,7 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         from flashdora.kernels import dequant
 
         if dequant.takes(data, scb, dtype):
-            return dequant.int8_to(data, scb, dtype)
+            return dequant.int8_to(data, scb, dtype, _INT8_SCALE)
     scb = scb.view(-1, 1)
     if dtype == torch.float32:
         return data * scb * _INT8_SCALE

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashdora.kernels import dequant
+from flashdora.layers import _INT8_SCALE
 
 
 def _int8(d_out, d_in, device, seed=0):
@@ -31,8 +32,8 @@ def test_int8_to_gives_the_bits_of_the_float32_dequantization_cast(d_out, d_in, 
     ``int8_vectorwise_dequant`` result, bit for bit, on shapes that cut the tiles at both edges."""
     data, scb = _int8(d_out, d_in, device)
     assert dequant.takes(data, scb, dtype)
-    ref = (data * scb.view(-1, 1) * dequant.INT8_SCALE).to(dtype)
-    out = dequant.int8_to(data, scb, dtype)
+    ref = (data * scb.view(-1, 1) * _INT8_SCALE).to(dtype)
+    out = dequant.int8_to(data, scb, dtype, _INT8_SCALE)
     assert out.dtype == dtype and out.shape == (d_out, d_in)
     assert torch.equal(out, ref)
 

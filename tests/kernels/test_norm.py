@@ -358,3 +358,35 @@ def test_split_fills_the_gpu_without_short_chunks(monkeypatch):
         assert norm_small._split(d_out, d_in, 132) == (n_split, chunk), (d_out, d_in)
         if n_split > 1:
             assert chunk % 128 == 0 and chunk >= 512 and (n_split - 1) * chunk < d_in <= n_split * chunk
+
+
+def test_scales_plan_stands_in_for_what_finish_launches(monkeypatch):
+    """The C++ plans of the scales kernel (``norm.native_plan``'s and ``norm_small.native_plan``'s, both through
+    ``scales_plan``) are asked for with the dtypes and integers ``_finish`` launches it with: the compiled kernel they
+    look up is the one the Python path compiled."""
+    from flashdora.kernels import launcher
+    from flashdora.kernels import norm as kn
+
+    launched, asked = [], []
+
+    def launch_jit(kernel, grid, args, flags):
+        launched.append((kernel, args, flags))
+
+    def jit_plan(kernel, args, flags):
+        asked.append((kernel, args, flags))
+        return 0, 1  # (config, then the launch's fields)
+
+    monkeypatch.setattr(launcher, "launch_jit", launch_jit)
+    monkeypatch.setattr(launcher, "jit_plan", jit_plan)
+    lora_B = torch.randn(40, 8, dtype=torch.bfloat16)
+    for m_dtype in (torch.float32, torch.bfloat16):
+        magnitude = torch.rand(40, dtype=m_dtype)
+        kn._finish(torch.randn(3, 40), magnitude, True)
+        assert kn.scales_plan(lora_B, magnitude, 3, 40) == (1,)
+
+    def kinds(args):
+        return [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
+
+    assert len(launched) == len(asked) == 2
+    for (k1, a1, f1), (k2, a2, f2) in zip(launched, asked):
+        assert k1 is k2 is kn._scales_kernel and f1 == f2 and kinds(a1) == kinds(a2)

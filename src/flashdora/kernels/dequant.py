@@ -1,8 +1,8 @@
 """A bitsandbytes 8-bit weight (``Int8Params``: ``CB`` int8 rows, ``SCB`` float32 row scales) dequantized to a
-16-bit dtype in one pass: bitsandbytes' ``int8_vectorwise_dequant`` arithmetic (``CB * SCB * (1/127)`` in float32, in
-that order), rounded once to the output dtype. The same bits as that function's float32 result cast, without the
-float32 ``[d_out, d_in]`` tensor (or its row chunks) and with one launch: a norm cache miss on an 8-bit base runs it
-once per layer and optimizer step."""
+16-bit dtype in one pass: bitsandbytes' ``int8_vectorwise_dequant`` arithmetic (``CB * SCB * scale`` in float32, in
+that order; ``scale`` is its 1/127, ``layers._INT8_SCALE``), rounded once to the output dtype. The same bits as that
+function's float32 result cast, without the float32 ``[d_out, d_in]`` tensor (or its row chunks) and with one
+launch: a norm cache miss on an 8-bit base runs it once per layer and optimizer step."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from flashdora.kernels import launcher
 from flashdora.kernels.compose import _to_out
 from flashdora.kernels.configs import INTERPRETED
 
-INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it
 _BLOCK_M, _BLOCK_N = (8, 512) if not INTERPRETED else (4, 16)
 
 
@@ -43,11 +42,11 @@ def takes(data: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> bool:
     )  # fmt: skip
 
 
-def int8_to(data: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(int8_vectorwise_dequant(data, scb)).to(dtype)`` in one launch, for ``takes(data, scb, dtype)``."""
+def int8_to(data: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """One launch of ``(data * scb[:, None] * scale).to(dtype)`` (float32 products); ``takes`` must hold."""
     d_out, d_in = data.shape
     out = torch.empty((d_out, d_in), dtype=dtype, device=data.device)
     grid = (triton.cdiv(d_out, _BLOCK_M), triton.cdiv(d_in, _BLOCK_N))
-    flags = dict(SCALE=INT8_SCALE, EMULATE_RNE=INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+    flags = dict(SCALE=scale, EMULATE_RNE=INTERPRETED, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
     launcher.launch_jit(_int8_kernel, grid, (data, scb.contiguous(), out, d_out, d_in), flags)
     return out

@@ -264,10 +264,17 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
          d_out),
         dict(BLOCK_J=block_j),
     )  # fmt: skip
-    n_part = triton.cdiv(r, block_j)
-    m = lora_B.new_empty(1, dtype=magnitude.dtype)
-    scales = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_part, d_out, d_out), _scales_flags(True))
+    scales = scales_plan(lora_B, magnitude, triton.cdiv(r, block_j), d_out)
     if epilogue is None or scales is None:
         return None
     config, *epilogue_launch = epilogue
-    return (transposed, block_j, config["BLOCK_M"], *epilogue_launch, *scales[1:])
+    return (transposed, block_j, config["BLOCK_M"], *epilogue_launch, *scales)
+
+
+def scales_plan(lora_B, magnitude, n_part: int, d_out: int) -> tuple | None:
+    """How C++ launches ``_finish``'s scales kernel on ``n_part`` partial rows of ``d_out`` for layers like this one:
+    ``(CUfunction, warps, shared, types, kept arguments)``, or ``None`` until a Python-path call has compiled it."""
+    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
+    m = lora_B.new_empty(1, dtype=magnitude.dtype)
+    got = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_part, d_out, d_out), _scales_flags(True))
+    return None if got is None else tuple(got[1:])

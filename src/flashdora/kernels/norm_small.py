@@ -183,7 +183,7 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     CUfunction, warps, shared bytes, parameter types, kept arguments)``, then the scales kernel's ``(CUfunction,
     warps, shared bytes, parameter types, kept arguments)`` (zeros and empties for one split), or ``None`` until a
     Python-path call has compiled the kernels."""
-    from flashdora.kernels.norm import _scales_flags, _scales_kernel
+    from flashdora.kernels.norm import scales_plan
 
     d_out = weight.shape[0]
     n_split, chunk = split(weight)
@@ -195,11 +195,8 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B, m), args, flags)
     if plan is None:
         return None
-    finish = (0, 0, 0, "", [])
-    if n_split > 1:
-        got = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_split, d_out, d_out), _scales_flags(True))
-        if got is None:
-            return None
-        finish = got[1:]
+    finish = (0, 0, 0, "", []) if n_split == 1 else scales_plan(lora_B, magnitude, n_split, d_out)
+    if finish is None:
+        return None
     config, *launch = plan
     return (config["BLOCK_M"], n_split, chunk, *launch, *finish)
