@@ -103,7 +103,7 @@ def train_with_trainer(args, output_dir: str) -> float:
     dataset = CausalLMDataset(byte_examples(args.max_steps * args.batch, args.seq))
     trainer = Trainer(model=model, args=training_args(args, output_dir, label_names=["labels"]), train_dataset=dataset)
     loss = trainer.train().training_loss
-    print(f"Trainer: {_wrapping(trainer.model_wrapped)}")
+    report(f"Trainer: {_wrapping(trainer.model_wrapped)}")
     return loss
 
 
@@ -157,6 +157,13 @@ def train_with_sft_trainer(args, output_dir: str) -> float:
         flashdora.unpatch_peft()
 
 
+def report(line: str) -> None:
+    """Print ``line`` in one write: under torchrun or accelerate every process runs this script on one terminal or
+    pipe, and a ``print`` split into several writes can interleave with another process's line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _flashdora_calls() -> int:
     counts = flashdora.stats()
     return counts.get("eager", 0) + counts.get("triton", 0)
@@ -165,22 +172,22 @@ def _flashdora_calls() -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode = "PEFT's own DoRA" if args.no_flashdora else "flashdora"
-    print(f"Trainer: '{args.size}' random Llama, DoRA r={args.rank}, {args.max_steps} steps, {mode}")
+    report(f"Trainer: '{args.size}' random Llama, DoRA r={args.rank}, {args.max_steps} steps, {mode}")
     flashdora.reset_stats()
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"Trainer: mean training loss {train_with_trainer(args, tmp):.4f}")
+        report(f"Trainer: mean training loss {train_with_trainer(args, tmp):.4f}")
     calls = [_flashdora_calls()]
     try:
         import trl  # noqa: F401
     except ImportError:
         trl = None
     if args.skip_trl or trl is None:
-        print("SFTTrainer: skipped (" + ("--skip-trl" if args.skip_trl else "trl is not installed") + ")")
+        report("SFTTrainer: skipped (" + ("--skip-trl" if args.skip_trl else "trl is not installed") + ")")
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            print(f"SFTTrainer: mean training loss {train_with_sft_trainer(args, tmp):.4f}")
+            report(f"SFTTrainer: mean training loss {train_with_sft_trainer(args, tmp):.4f}")
         calls.append(_flashdora_calls() - calls[0])
-    print(f"flashdora path counters: {dict(sorted(flashdora.stats().items()))}")
+    report(f"flashdora path counters: {dict(sorted(flashdora.stats().items()))}")
     if not args.no_flashdora and min(calls) == 0:
         print("error: flashdora did not run in every trainer", file=sys.stderr)
         return 1
