@@ -37,12 +37,15 @@ def quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: s
             quantize(child, kind, compute_dtype, device)
 
 
-def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu"):
+def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu", peft_bnb=False):
+    """``peft_bnb``: the model says it is loaded in 4 bits, so PEFT wraps its 4-bit layers in its ``lora.bnb``
+    class (as with a model loaded quantized; by default PEFT's generic ``Linear`` wraps them)."""
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
     base = LlamaForCausalLM(config).to(device)
     quantize(base, kind, compute_dtype, device)
+    base.is_loaded_in_4bit = peft_bnb
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, target_modules=TARGETS,
                       init_lora_weights=False)  # fmt: skip
     with warnings.catch_warnings():
@@ -50,11 +53,11 @@ def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, de
         return get_peft_model(base, lora)
 
 
-def bf16_model():
+def bf16_model(device="cpu", peft_bnb=False):
     """``qdora_model("nf4")`` with bf16 compute whose weights dequantize to bf16, the layer's compute dtype."""
     import bitsandbytes as bnb
 
-    model = qdora_model("nf4", compute_dtype=torch.bfloat16)
+    model = qdora_model("nf4", compute_dtype=torch.bfloat16, device=device, peft_bnb=peft_bnb)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.weight.quant_state.dtype = torch.bfloat16

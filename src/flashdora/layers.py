@@ -62,7 +62,8 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     cache miss runs this every optimizer step, and those checks read ``Params4bit`` attributes through its
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
-    C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time). An 8-bit weight comes in
+    C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
+    layer's base result itself (``base4bit``), the weight that forward dequantized. An 8-bit weight comes in
     ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
@@ -70,6 +71,11 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         kind = type(weight).__name__
         if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
             packed = weight.data if packed is None else packed
+            from flashdora import base4bit
+
+            out = base4bit.held(packed, weight.quant_state)  # the layer's forward has just dequantized it
+            if out is not None:
+                return out
             out = _native_dequantize_4bit(packed, weight.quant_state)
             if out is not None:
                 return out
@@ -143,8 +149,10 @@ def bnb_kernel(name: str) -> int:
         return 0
 
 
-def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """``dequantize_4bit(packed, state)`` from C++ (``csrc/norm.cpp``), or ``None`` where that path does not run."""
+def _native_4bit(packed: torch.Tensor, state):
+    """``(module, kernel address)`` of the C++ 4-bit dequantization for ``packed``, or ``None`` where it does not
+    run (CPU, switched off, still building, another dtype or quantization, an unexpected nested state, a
+    bitsandbytes version it was not tested with)."""
     from flashdora import native
 
     if not packed.is_cuda or packed.shape[0] == 1 or not native.enabled():
@@ -153,15 +161,28 @@ def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
     dtype = _DTYPE_NAMES.get(state.dtype)
     if mod is None or dtype is None or state.quant_type not in ("nf4", "fp4"):
         return None
+    if state.nested:
+        inner, offset = state.state2, state.offset
+        if not isinstance(offset, torch.Tensor) or inner.dtype != torch.float32 or inner.nested:
+            return None
+        if not bnb_kernel("cdequantize_blockwise_fp32"):
+            return None
     fn_4bit = bnb_kernel(f"cdequantize_blockwise_{dtype}_{state.quant_type}")
+    return (mod, fn_4bit) if fn_4bit else None
+
+
+def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
+    """``dequantize_4bit(packed, state)`` from C++ (``csrc/norm.cpp``), or ``None`` where that path does not run."""
+    plan = _native_4bit(packed, state)
+    if plan is None:
+        return None
+    mod, fn_4bit = plan
     if not state.nested:
         return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
                                    None, None, None, 0, 0)  # fmt: skip
-    inner, offset = state.state2, state.offset
-    if not isinstance(offset, torch.Tensor) or inner.dtype != torch.float32 or inner.nested:
-        return None
+    inner = state.state2
     return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
-                               inner.code, inner.absmax, offset, inner.blocksize,
+                               inner.code, inner.absmax, state.offset, inner.blocksize,
                                bnb_kernel("cdequantize_blockwise_fp32"))  # fmt: skip
 
 

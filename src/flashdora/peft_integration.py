@@ -21,7 +21,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import backend, watch
+from flashdora import backend, base4bit, peft_bnb, watch
 from flashdora.layers import base_layer as _base_layer
 from flashdora.layers import dequantized as _dequantized
 from flashdora.layers import is_bnb as _bnb
@@ -224,17 +224,26 @@ def _lean_forward(self, x, *args, **kwargs):
     ):  # fmt: skip
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
     seq = after_base()
-    result = mods["base_layer"](x)
+    base = mods["base_layer"]
+    result, fresh = base4bit.result(base, x) if _bnb(base) else (base(x), False)
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
     result = flash_forward(self, active, x, result, seq)
+    if fresh:
+        base4bit.release()
     return result if result.dtype == dtype else result.to(dtype)
 
 
-def _swap_linear_class(model: nn.Module, cls: type) -> None:
+def _swap_linear_class(model: nn.Module, flash: bool) -> None:
+    """PEFT's LoRA ``Linear`` (and ``lora.bnb.Linear4bit``) layers of ``model`` re-classed as flashdora's (``flash``)
+    or PEFT's own."""
+    pairs = [(PeftLinear, FlashDoraLinear)]
+    if peft_bnb.peft_class() is not None:
+        pairs.append((peft_bnb.peft_class(), peft_bnb.flash_class()))
     for module in model.modules():
-        if type(module) in (PeftLinear, FlashDoraLinear):
-            module.__class__ = cls
+        for peft_cls, flash_cls in pairs:
+            if type(module) in (peft_cls, flash_cls):
+                module.__class__ = flash_cls if flash else peft_cls
 
 
 def _make_counting(cls: type) -> type:
@@ -324,7 +333,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
         if isinstance(module, LoraLayer):
             module.__dict__["_flashdora_dropout"] = dropout
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
-    _swap_linear_class(model, FlashDoraLinear)
+    _swap_linear_class(model, True)
     watch_writes(model, True)
     watch.watch_fsdp()
     return model
@@ -335,7 +344,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
     _swap_variants(model, PeftDoraLinearVariant)
-    _swap_linear_class(model, PeftLinear)
+    _swap_linear_class(model, False)
     watch_writes(model, False)
     for module in model.modules():
         module.__dict__.pop("_flashdora_dropout", None)
@@ -354,6 +363,7 @@ def patch_peft(*, dropout: str = "exact") -> None:
     _PEFT_DORA.forward = _FLASH_STATIC
     PeftLinear.forward = _lean_forward
     PeftLinear._cast_input_dtype = _cast_input_dtype
+    peft_bnb.patch(True)
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
             counting = _counting(cls)  # captures PEFT's forward before it is replaced
@@ -369,6 +379,7 @@ def unpatch_peft() -> None:
     PeftLinear.forward = _PEFT_LINEAR_FORWARD
     if PeftLinear.__dict__.get("_cast_input_dtype") is _cast_input_dtype:
         del PeftLinear._cast_input_dtype  # LoraLayer's, inherited, again
+    peft_bnb.patch(False)
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" in cls.__dict__:
             original = cls.__dict__["_flashdora_peft_forward"]

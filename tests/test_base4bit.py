@@ -1,0 +1,175 @@
+"""A 4-bit layer's base result computed by flashdora (``base4bit``): the layer's own values, bit for bit, only where
+bitsandbytes itself dequantizes and calls ``F.linear``; the dense weight handed to the norm-cache miss; PEFT's
+``lora.bnb.Linear4bit`` re-classed by ``enable`` and patched by ``patch_peft``.
+
+On the CPU bitsandbytes' ``gemm_4bit`` always dequantizes, so these tests let the path run here (``DEVICES``); on
+CUDA it runs past bitsandbytes' fused-kernel cutoff (tests marked gpu)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import flashdora
+from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fixture)
+from tests.qdora_models import bf16_model, qdora_model
+
+bnb = pytest.importorskip("bitsandbytes")
+from flashdora import base4bit, peft_bnb  # noqa: E402
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu"))
+
+
+def _bases(model):
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def _count_dequantize(monkeypatch):
+    calls = []
+    real = bnb.functional.dequantize_4bit
+    monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _run(model, fast, monkeypatch, steps=2):
+    """Eval logits, then ``steps`` training steps (AdamW): each step's logits and gradients."""
+    monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu") if fast else ("cuda",))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.eval()
+    with torch.no_grad():
+        out = [model(input_ids=make_ids(256, 7)).logits]
+    for step in range(steps):
+        _, logits, grads = train_step(model, make_ids(256, step))
+        opt.step()
+        out += [logits, *grads.values()]
+    return out
+
+
+@pytest.mark.parametrize("build", [qdora_model, bf16_model, lambda: qdora_model(peft_bnb=True)],
+                         ids=["fp32", "bf16", "peft-bnb-class"])  # fmt: skip
+def test_base_result_is_the_layers_own_bit_for_bit(build, monkeypatch):
+    """Eval logits, and logits and gradients over two optimizer steps (weights change, so every step misses), are
+    the same bits with flashdora's base result and with the layer's own call; the path ran on every layer."""
+    model = build()
+    flashdora.enable(model)
+    twin = copy.deepcopy(model)
+    flashdora.reset_stats()
+    got = _run(model, True, monkeypatch)
+    n_calls = flashdora.stats().get("base:4bit", 0)
+    flashdora.reset_stats()
+    want = _run(twin, False, monkeypatch)
+    assert n_calls == 3 * len(_bases(model)) and "base:4bit" not in flashdora.stats()  # (eval + 2 training steps)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
+    """A cache miss uses the weight the layer's forward has just dequantized: one dequantization fewer per layer and
+    step than with nothing handed over (and the same logits and gradients)."""
+    counts, results = [], []
+    for share in (True, False):
+        model = qdora_model()
+        flashdora.enable(model)
+        if not share:
+            monkeypatch.setattr(base4bit, "held", lambda packed, state: None)
+        calls = _count_dequantize(monkeypatch)
+        _, logits, grads = train_step(model, make_ids(256))
+        counts.append(len(calls))
+        results.append([logits, *grads.values()])
+        monkeypatch.undo()
+        monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu"))
+    assert counts[0] == counts[1] - len(_bases(model)), counts
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert base4bit._held is None  # released at the end of each layer's call
+
+
+def _hooked(layer):
+    layer.register_forward_hook(lambda *a: None)
+
+
+def _replaced(layer):
+    layer.forward = layer.forward  # (what accelerate's hooks do: an instance forward)
+
+
+def _trained_bias(layer):
+    layer.bias = torch.nn.Parameter(torch.zeros(layer.out_features))
+
+
+def _few_rows(layer):
+    base4bit._ROWS["cpu"] = 10**6
+
+
+@pytest.mark.parametrize("change", [_hooked, _replaced, _trained_bias, _few_rows],
+                         ids=["forward-hook", "instance-forward", "bias-trains", "under-the-cutoff"])  # fmt: skip
+def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeypatch):
+    """Hooks, a replaced forward, a bias that trains and fewer rows than bitsandbytes' fused-kernel cutoff: the layer's
+    own call runs (none counted), and the model computes what PEFT's own QDoRA computes."""
+    monkeypatch.setattr(base4bit, "_ROWS", {})
+    model = qdora_model()
+    for layer in _bases(model):
+        change(layer)
+    twin = copy.deepcopy(model)
+    flashdora.enable(model)
+    flashdora.reset_stats()
+    _, logits, grads = train_step(model, make_ids(256))
+    _, want_logits, want_grads = train_step(twin, make_ids(256))
+    assert "base:4bit" not in flashdora.stats()
+    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    assert grads.keys() == want_grads.keys()
+
+
+def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # noqa: F811
+    """``enable`` re-classes PEFT's ``lora.bnb.Linear4bit`` layers (printed as PEFT's), ``disable`` restores them;
+    ``patch_peft`` gives PEFT's class flashdora's forward and ``unpatch_peft`` its own back; the class pickles by
+    name. (A whole bitsandbytes model does not round-trip through ``torch.save``, PEFT's own neither: its weights
+    lose their quantization state.)"""
+    model = qdora_model(peft_bnb=True)
+    peft_cls = peft_bnb.peft_class()
+    layers = [m for m in model.modules() if type(m) is peft_cls]
+    assert len(layers) == len(_bases(model))
+    flashdora.enable(model)
+    assert all(type(m) is peft_bnb.FlashDoraLinear4bit for m in layers)
+    assert "lora.Linear4bit(" in repr(layers[0])
+    ids = make_ids(256)
+    assert pickle.loads(pickle.dumps(type(layers[0]))) is peft_bnb.FlashDoraLinear4bit  # (found by name)
+    flashdora.disable(model)
+    assert all(type(m) is peft_cls for m in layers)
+    forward = peft_cls.__dict__["forward"]
+    flashdora.patch_peft()
+    assert peft_cls.__dict__["forward"] is peft_bnb._lean_forward_4bit
+    flashdora.reset_stats()
+    fresh = qdora_model(peft_bnb=True)
+    fresh.eval()
+    with torch.no_grad():
+        fresh(input_ids=ids)
+    assert flashdora.stats().get("base:4bit", 0) == len(_bases(fresh))
+    flashdora.unpatch_peft()
+    assert peft_cls.__dict__["forward"] is forward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkeypatch):
+    """On CUDA (PEFT's ``lora.bnb`` class, bf16 compute, the C++ dequantization): past 1536 rows the base result is
+    flashdora's and every logit and gradient is the layer's own bit for bit; at 16 rows bitsandbytes' fused kernel
+    runs (the layer's own call)."""
+    from flashdora import native
+
+    assert native.module(wait=True) is not None
+    model = bf16_model(device="cuda", peft_bnb=True)
+    flashdora.enable(model)
+    twin = copy.deepcopy(model)
+    for tokens, taken in [((2, 1024), True), ((1, 16), False)]:
+        ids = torch.randint(0, 256, tokens, generator=torch.Generator().manual_seed(0)).cuda()
+        runs = []
+        for fast, m in [(True, model), (False, twin)]:
+            monkeypatch.setattr(base4bit, "DEVICES", ("cuda",) if fast else ())
+            flashdora.reset_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                _, logits, grads = train_step(m, ids)
+            runs.append([logits, *grads.values()])
+            assert flashdora.stats().get("base:4bit", 0) == (len(_bases(m)) if fast and taken else 0)
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
