@@ -173,3 +173,14 @@ def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkey
             runs.append([logits, *grads.values()])
             assert flashdora.stats().get("base:4bit", 0) == (len(_bases(m)) if fast and taken else 0)
         assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_patch_peft_before_any_enable_then_unpatch(monkeypatch, unpatched):  # noqa: F811
+    """``patch_peft`` as the first call (nothing kept yet): ``unpatch_peft`` gives PEFT's class its own forward."""
+    monkeypatch.setattr(peft_bnb, "_classes", {})
+    cls = peft_bnb.peft_class(load=True)
+    forward = cls.__dict__["forward"]
+    flashdora.patch_peft()
+    assert cls.__dict__["forward"] is peft_bnb._lean_forward_4bit
+    flashdora.unpatch_peft()
+    assert cls.__dict__["forward"] is forward

@@ -65,8 +65,11 @@ def _plain_module(base) -> bool:
     if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
         return False
     hooks = torch.nn.modules.module  # global hooks (private names, read with a default: none found means "maybe")
-    return not any(getattr(hooks, n, True) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                     "_global_backward_hooks", "_global_backward_pre_hooks"))  # fmt: skip
+    return not any(getattr(hooks, name, True) for name in _GLOBAL_HOOKS)
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
 
 
 def _plan(base, x):

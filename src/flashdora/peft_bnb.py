@@ -77,7 +77,8 @@ def patch(on: bool) -> None:
     cls = peft_class(load=on)
     if cls is None:
         return
-    cls.forward = _lean_forward_4bit if on else _peft_forward()
+    peft_forward = _peft_forward()  # (kept before the first patch replaces it)
+    cls.forward = _lean_forward_4bit if on else peft_forward
 
 
 def flash_class() -> type:
