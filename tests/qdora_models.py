@@ -38,14 +38,15 @@ def quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: s
 
 
 def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu", peft_bnb=False):
-    """``peft_bnb``: the model says it is loaded in 4 bits, so PEFT wraps its 4-bit layers in its ``lora.bnb``
-    class (as with a model loaded quantized; by default PEFT's generic ``Linear`` wraps them)."""
+    """``peft_bnb``: the model says it is loaded quantized, so PEFT wraps its quantized layers in its ``lora.bnb``
+    classes (as with a model loaded by ``from_pretrained``; by default PEFT's generic ``Linear`` wraps them)."""
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
     base = LlamaForCausalLM(config).to(device)
     quantize(base, kind, compute_dtype, device)
-    base.is_loaded_in_4bit = peft_bnb
+    base.is_loaded_in_4bit = peft_bnb and kind != "int8"
+    base.is_loaded_in_8bit = peft_bnb and kind == "int8"
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, target_modules=TARGETS,
                       init_lora_weights=False)  # fmt: skip
     with warnings.catch_warnings():
@@ -74,9 +75,9 @@ def count_dequantizations(monkeypatch):
     return calls
 
 
-def int8_bf16_model():
+def int8_bf16_model(device="cpu", peft_bnb=False):
     """``qdora_model("int8")`` in bf16 around its int8 layers (embeddings, norms, the head)."""
-    model = qdora_model("int8")
+    model = qdora_model("int8", device=device, peft_bnb=peft_bnb)
     for p in model.parameters():
         if not p.requires_grad and p.dtype == torch.float32:
             p.data = p.data.to(torch.bfloat16)

@@ -63,7 +63,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
     C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
-    layer's base result itself (``base4bit``), the weight that forward dequantized. An 8-bit weight comes in
+    layer's base result itself (``bnb_base``), the weight that forward dequantized. An 8-bit weight comes in
     ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
@@ -71,9 +71,9 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         kind = type(weight).__name__
         if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
             packed = weight.data if packed is None else packed
-            from flashdora import base4bit
+            from flashdora import bnb_base
 
-            out = base4bit.held(packed, weight.quant_state)  # the layer's forward has just dequantized it
+            out = bnb_base.held(packed, weight.quant_state)  # the layer's forward has just dequantized it
             if out is not None:
                 return out
             out = _native_dequantize_4bit(packed, weight.quant_state)

@@ -21,7 +21,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import backend, base4bit, peft_bnb, watch
+from flashdora import backend, bnb_base, peft_bnb, watch
 from flashdora.layers import base_layer as _base_layer
 from flashdora.layers import dequantized as _dequantized
 from flashdora.layers import is_bnb as _bnb
@@ -225,21 +225,19 @@ def _lean_forward(self, x, *args, **kwargs):
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
     seq = after_base()
     base = mods["base_layer"]
-    result, fresh = base4bit.result(base, x) if _bnb(base) else (base(x), False)
+    result, fresh = bnb_base.result(base, x) if _bnb(base) else (base(x), False)
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
     result = flash_forward(self, active, x, result, seq)
     if fresh:
-        base4bit.release()
+        bnb_base.release()
     return result if result.dtype == dtype else result.to(dtype)
 
 
 def _swap_linear_class(model: nn.Module, flash: bool) -> None:
-    """PEFT's LoRA ``Linear`` (and ``lora.bnb.Linear4bit``) layers of ``model`` re-classed as flashdora's (``flash``)
-    or PEFT's own."""
-    pairs = [(PeftLinear, FlashDoraLinear)]
-    if peft_bnb.peft_class() is not None:
-        pairs.append((peft_bnb.peft_class(), peft_bnb.flash_class()))
+    """PEFT's LoRA ``Linear`` (and ``lora.bnb``) layers of ``model`` re-classed as flashdora's (``flash``) or PEFT's
+    own."""
+    pairs = [(PeftLinear, FlashDoraLinear), *peft_bnb.pairs()]
     for module in model.modules():
         for peft_cls, flash_cls in pairs:
             if type(module) in (peft_cls, flash_cls):

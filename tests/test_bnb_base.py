@@ -1,6 +1,7 @@
-"""A 4-bit layer's base result computed by flashdora (``base4bit``): the layer's own values, bit for bit, only where
-bitsandbytes itself dequantizes and calls ``F.linear``; the dense weight handed to the norm-cache miss; PEFT's
-``lora.bnb.Linear4bit`` re-classed by ``enable`` and patched by ``patch_peft``.
+"""A bitsandbytes layer's base result computed by flashdora (``bnb_base``): the layer's own values, bit for bit, only
+where flashdora makes the calls bitsandbytes makes (4-bit: where it dequantizes and calls ``F.linear``; 8-bit: its
+int8 product at threshold 0); a 4-bit layer's dense weight handed to the norm-cache miss; PEFT's ``lora.bnb``
+classes re-classed by ``enable`` and patched by ``patch_peft``.
 
 On the CPU bitsandbytes' ``gemm_4bit`` always dequantizes, so these tests let the path run here (``DEVICES``); on
 CUDA it runs past bitsandbytes' fused-kernel cutoff (tests marked gpu)."""
@@ -13,15 +14,15 @@ import torch
 
 import flashdora
 from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fixture)
-from tests.qdora_models import bf16_model, qdora_model
+from tests.qdora_models import bf16_model, int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
-from flashdora import base4bit, peft_bnb  # noqa: E402
+from flashdora import bnb_base, peft_bnb  # noqa: E402
 
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
 
 
 def _bases(model):
@@ -37,7 +38,7 @@ def _count_dequantize(monkeypatch):
 
 def _run(model, fast, monkeypatch, steps=2):
     """Eval logits, then ``steps`` training steps (AdamW): each step's logits and gradients."""
-    monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu") if fast else ("cuda",))
+    monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu") if fast else ("cuda",))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.eval()
     with torch.no_grad():
@@ -74,16 +75,16 @@ def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
         model = qdora_model()
         flashdora.enable(model)
         if not share:
-            monkeypatch.setattr(base4bit, "held", lambda packed, state: None)
+            monkeypatch.setattr(bnb_base, "held", lambda packed, state: None)
         calls = _count_dequantize(monkeypatch)
         _, logits, grads = train_step(model, make_ids(256))
         counts.append(len(calls))
         results.append([logits, *grads.values()])
         monkeypatch.undo()
-        monkeypatch.setattr(base4bit, "DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
     assert counts[0] == counts[1] - len(_bases(model)), counts
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert base4bit._held is None  # released at the end of each layer's call
+    assert bnb_base._held is None  # released at the end of each layer's call
 
 
 def _hooked(layer):
@@ -99,7 +100,7 @@ def _trained_bias(layer):
 
 
 def _few_rows(layer):
-    base4bit._ROWS["cpu"] = 10**6
+    bnb_base._ROWS["cpu"] = 10**6
 
 
 @pytest.mark.parametrize("change", [_hooked, _replaced, _trained_bias, _few_rows],
@@ -107,7 +108,7 @@ def _few_rows(layer):
 def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeypatch):
     """Hooks, a replaced forward, a bias that trains and fewer rows than bitsandbytes' fused-kernel cutoff: the layer's
     own call runs (none counted), and the model computes what PEFT's own QDoRA computes."""
-    monkeypatch.setattr(base4bit, "_ROWS", {})
+    monkeypatch.setattr(bnb_base, "_ROWS", {})
     model = qdora_model()
     for layer in _bases(model):
         change(layer)
@@ -127,7 +128,7 @@ def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # n
     name. (A whole bitsandbytes model does not round-trip through ``torch.save``, PEFT's own neither: its weights
     lose their quantization state.)"""
     model = qdora_model(peft_bnb=True)
-    peft_cls = peft_bnb.peft_class()
+    peft_cls = peft_bnb.peft_class("Linear4bit")
     layers = [m for m in model.modules() if type(m) is peft_cls]
     assert len(layers) == len(_bases(model))
     flashdora.enable(model)
@@ -139,7 +140,7 @@ def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # n
     assert all(type(m) is peft_cls for m in layers)
     forward = peft_cls.__dict__["forward"]
     flashdora.patch_peft()
-    assert peft_cls.__dict__["forward"] is peft_bnb._lean_forward_4bit
+    assert peft_cls.__dict__["forward"] is peft_bnb._lean_forward
     flashdora.reset_stats()
     fresh = qdora_model(peft_bnb=True)
     fresh.eval()
@@ -148,6 +149,55 @@ def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # n
     assert flashdora.stats().get("base:4bit", 0) == len(_bases(fresh))
     flashdora.unpatch_peft()
     assert peft_cls.__dict__["forward"] is forward
+
+
+def _int8_bases(model):
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+
+
+@pytest.mark.parametrize("peft_class", [False, True], ids=["peft-linear", "peft-bnb-class"])
+def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, monkeypatch):
+    """An 8-bit layer (threshold 0): eval logits, and logits and gradients of two backwards in eval mode (bitsandbytes'
+    CPU backend trains through another function, ``MatMul8bitFp``; eval mode takes ``MatMul8bitLt``, the one CUDA
+    trains with) are the same bits with flashdora's base result and the layer's own call. The layer's first call is
+    its own (it moves its int8 weight into its state); in training mode on the CPU every call is."""
+    model = int8_bf16_model(peft_bnb=peft_class)
+    flashdora.enable(model)
+    twin = copy.deepcopy(model)
+    runs = []
+    for fast, m in [(True, model), (False, twin)]:
+        monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu") if fast else ("cuda",))
+        flashdora.reset_stats()
+        m.eval()
+        out = []
+        for step in range(3):
+            m.zero_grad(set_to_none=True)
+            logits = m(input_ids=make_ids(256, step), labels=make_ids(256, step)).logits
+            logits.float().square().mean().backward()
+            out += [logits.detach(), *(p.grad for p in m.parameters() if p.requires_grad)]
+        runs.append(out)
+        n_fast = flashdora.stats().get("base:8bit", 0)
+        assert n_fast == (2 * len(_int8_bases(m)) if fast else 0)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
+    flashdora.reset_stats()
+    train_step(model, make_ids(256))
+    assert "base:8bit" not in flashdora.stats()
+
+
+def test_int8_outlier_threshold_keeps_the_layers_own_call(monkeypatch):
+    """A threshold above 0 (bitsandbytes' mixed int8 product with outlier columns): the layer's own call."""
+    monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
+    model = int8_bf16_model()
+    for layer in _int8_bases(model):
+        layer.state.threshold = 6.0
+    flashdora.enable(model)
+    model.eval()
+    flashdora.reset_stats()
+    with torch.no_grad():
+        model(input_ids=make_ids(256))
+        model(input_ids=make_ids(256))
+    assert "base:8bit" not in flashdora.stats()
 
 
 @pytest.mark.gpu
@@ -166,7 +216,7 @@ def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkey
         ids = torch.randint(0, 256, tokens, generator=torch.Generator().manual_seed(0)).cuda()
         runs = []
         for fast, m in [(True, model), (False, twin)]:
-            monkeypatch.setattr(base4bit, "DEVICES", ("cuda",) if fast else ())
+            monkeypatch.setattr(bnb_base, "DEVICES", ("cuda",) if fast else ())
             flashdora.reset_stats()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 _, logits, grads = train_step(m, ids)
@@ -177,10 +227,35 @@ def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkey
 
 def test_patch_peft_before_any_enable_then_unpatch(monkeypatch, unpatched):  # noqa: F811
     """``patch_peft`` as the first call (nothing kept yet): ``unpatch_peft`` gives PEFT's class its own forward."""
-    monkeypatch.setattr(peft_bnb, "_classes", {})
-    cls = peft_bnb.peft_class(load=True)
-    forward = cls.__dict__["forward"]
+    monkeypatch.setattr(peft_bnb, "_peft_forwards", {})
+    classes = [peft_bnb.peft_class(kind, load=True) for kind in peft_bnb.KINDS]
+    forwards = [cls.__dict__["forward"] for cls in classes]
     flashdora.patch_peft()
-    assert cls.__dict__["forward"] is peft_bnb._lean_forward_4bit
+    assert all(cls.__dict__["forward"] is peft_bnb._lean_forward for cls in classes)
     flashdora.unpatch_peft()
-    assert cls.__dict__["forward"] is forward
+    assert [cls.__dict__["forward"] for cls in classes] == forwards
+    assert not any("_flashdora_kind" in cls.__dict__ for cls in classes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("peft_class", [False, True], ids=["peft-linear", "peft-bnb-class"])
+def test_cuda_int8_training_bit_for_bit(autocast, peft_class, monkeypatch):
+    """On CUDA an 8-bit layer's base result is flashdora's from its second call on, in training, and every logit and
+    gradient of two training steps is the layer's own bit for bit."""
+    model = int8_bf16_model(device="cuda", peft_bnb=peft_class)
+    flashdora.enable(model)
+    twin = copy.deepcopy(model)
+    runs = []
+    for fast, m in [(True, model), (False, twin)]:
+        monkeypatch.setattr(bnb_base, "DEVICES", ("cuda",) if fast else ())
+        flashdora.reset_stats()
+        out = []
+        for step in range(2):
+            ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(step)).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                _, logits, grads = train_step(m, ids)
+            out += [logits, *grads.values()]
+        runs.append(out)
+        assert flashdora.stats().get("base:8bit", 0) == (len(_int8_bases(m)) if fast else 0)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -1,0 +1,249 @@
+"""The base result of a bitsandbytes layer: bitsandbytes' own calls, without the Python around them.
+
+bitsandbytes' layers reach their kernels through several Python layers each call (the module's checks, a ``matmul``
+function, an autograd Function, op dispatches), three times a layer and training step with checkpointing, on a host
+that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the same calls:
+
+- ``Linear4bit``: past ``_gemm_4bit_custom_max_m`` rows (1536 on CUDA in bitsandbytes 0.50) its ``gemm_4bit`` op
+  dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
+  is dequantized by bitsandbytes' own kernels launched from C++ (``layers``: the same bits), then ``F.linear`` with
+  the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a norm-cache
+  miss of the same layer needs: ``held`` hands it over (the miss then dequantizes nothing), and ``release`` drops it
+  once the layer's call is done.
+- ``Linear8bitLt`` (threshold 0, a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls
+  the ``int8_scaled_mm`` op; its backward dequantizes ``CB`` to the input's dtype for ``grad_x``. Here the same two
+  ops and the same backward.
+
+Wherever anything could differ (fewer rows, where bitsandbytes runs its fused 4-bit kernel; outlier thresholds;
+hooks on the layer; its first call; a bias that trains or needs a cast; another bitsandbytes version;
+``torch.func``; bitsandbytes' CPU training path) the layer's own forward runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashdora import backend, layers
+
+# Devices where ``result`` takes the path (CUDA, where the 4-bit dequantization runs from C++); tests add "cpu",
+# where bitsandbytes' default ``gemm_4bit`` dequantizes at every size.
+DEVICES = ("cuda",)
+_held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
+
+
+def _tested() -> bool:
+    """Whether this bitsandbytes is a version ``result`` was tested with (``layers._BNB_KERNELS_TESTED``)."""
+    if "tested" not in _CACHE:
+        try:
+            import bitsandbytes as bnb
+
+            version = tuple(int(p) for p in bnb.__version__.split(".")[:2])
+            lo, hi = layers._BNB_KERNELS_TESTED
+            _CACHE["tested"] = lo <= version < hi and not torch.version.hip
+        except (ImportError, ValueError):
+            _CACHE["tested"] = False
+    return _CACHE["tested"]
+
+
+def _cuda_rows() -> int | None:
+    """Rows above which bitsandbytes' CUDA ``gemm_4bit`` dequantizes and calls ``F.linear``; ``None`` on an
+    untested version or where its (private) threshold is not found."""
+    if not _tested():
+        return None
+    try:
+        from bitsandbytes.backends.cuda import ops
+
+        rows = getattr(ops, "_gemm_4bit_custom_max_m", None)
+        return rows if isinstance(rows, int) else None
+    except (ImportError, AttributeError):
+        return None
+
+
+_CACHE: dict = {}
+_ROWS: dict[str, int | None] = {}
+_FORWARDS: dict[str, object] = {}  # bitsandbytes' Linear4bit.forward and Linear8bitLt.forward, once imported
+
+
+def _min_rows(device_type: str) -> int | None:
+    if device_type not in _ROWS:
+        _ROWS[device_type] = _cuda_rows() if device_type == "cuda" else 0
+    return _ROWS[device_type]
+
+
+def _plain_module(base) -> bool:
+    """Whether calling ``base`` runs exactly bitsandbytes' own forward of its class (no hooks, no replaced forward)."""
+    name = type(base).__name__
+    if name not in _FORWARDS:
+        import bitsandbytes as bnb
+
+        _FORWARDS[name] = getattr(bnb.nn, name).forward
+    if type(base).forward is not _FORWARDS[name] or "forward" in base.__dict__:
+        return False
+    if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
+        return False
+    hooks = torch.nn.modules.module  # global hooks (private names, read with a default: none found means "maybe")
+    return not any(getattr(hooks, hook, True) for hook in _GLOBAL_HOOKS)
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
+
+
+def _free(base, x) -> bool:
+    """The conditions both paths share: a device they run on, bitsandbytes' own forward, no compile or transform."""
+    return (
+        x.device.type in DEVICES and x.numel() > 0 and _plain_module(base) and not torch.compiler.is_compiling()
+        and not backend.functorch_active()
+    )  # fmt: skip
+
+
+def _plan4(base, x):
+    """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
+    if not base.compute_type_is_set or not _free(base, x):
+        return None
+    weight = layers.param(base, "weight")
+    state = getattr(weight, "quant_state", None)
+    rows = _min_rows(x.device.type)
+    if state is None or rows is None or getattr(state, "packing_format_for_cpu", False) or len(state.shape) != 2:
+        return None
+    k = x.shape[-1]
+    if k != state.shape[1] or x.numel() // max(k, 1) <= rows:
+        return None
+    cd = base.compute_dtype
+    if (x.dtype if cd is None else cd) != state.dtype or weight.device != x.device:
+        return None  # (bitsandbytes dequantizes into the input's dtype; the C++ path, into the state's)
+    bias = layers.param(base, "bias")
+    if bias is not None and (bias.requires_grad or bias.dtype != state.dtype):
+        return None  # (bitsandbytes then casts the bias in place, or trains it)
+    packed = weight.detach()
+    if packed.is_cuda and layers._native_4bit(packed, state) is None:
+        return None  # no C++ dequantization here: nothing to gain
+    return (x if cd is None else x.to(cd)), packed, state, bias
+
+
+def _dense(packed, state) -> torch.Tensor:
+    out = layers._native_dequantize_4bit(packed, state) if packed.is_cuda else None
+    if out is None:
+        import bitsandbytes as bnb
+
+        out = bnb.functional.dequantize_4bit(packed, state)
+    return out
+
+
+class _Linear4bit(torch.autograd.Function):
+    """``F.linear(x, W, bias)`` with ``W`` dequantized in the forward and again in the backward (never saved)."""
+
+    @staticmethod
+    def forward(ctx, x, packed, state, bias):
+        global _held
+        w = _dense(packed, state)
+        _held = (packed.data_ptr(), packed._version, state, w)
+        ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
+        ctx.state = state
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        (packed,) = ctx.saved_tensors
+        return torch.matmul(grad, _dense(packed, ctx.state).to(grad.dtype)), None, None, None
+
+
+def _plan8(base, x):
+    """``(CB, SCB, bias)`` where ``result`` takes the 8-bit path, else ``None``."""
+    if not _tested() or not _free(base, x) or x.dim() not in (2, 3):
+        return None
+    state, weight = base.state, layers.param(base, "weight")
+    cb, scb = state.CB, state.SCB
+    if cb is None or scb is None or getattr(weight, "CB", None) is not None or weight.requires_grad:
+        return None  # (the layer's first call moves CB into its state)
+    if state.has_fp16_weights or state.threshold != 0.0 or cb.device != x.device or x.shape[-1] != cb.shape[1]:
+        return None
+    if base.training and x.device.type in ("cpu", "xpu"):
+        return None  # bitsandbytes trains through MatMul8bitFp there
+    bias = layers.param(base, "bias")
+    if bias is not None and (bias.requires_grad or bias.dtype != x.dtype):
+        return None
+    return cb, scb, bias
+
+
+_OPS: list = []  # bitsandbytes' int8_vectorwise_quant and int8_scaled_mm ops
+
+
+def _int8_linear(x, cb, scb, bias):
+    """``MatMul8bitLt.forward`` at threshold 0: ``x`` quantized row-wise (through float16), the int8 product scaled
+    back to ``x``'s dtype, plus ``bias``."""
+    if not _OPS:
+        ops = torch.ops.bitsandbytes
+        _OPS.extend((ops.int8_vectorwise_quant.default, ops.int8_scaled_mm.default))
+    a = x.reshape(-1, x.shape[-1]) if x.dim() == 3 else x
+    ca, sca, _ = _OPS[0](a.to(torch.float16), 0.0)
+    out = _OPS[1](ca, cb, sca, scb, bias=bias, dtype=a.dtype)
+    return out.reshape(*x.shape[:-1], cb.shape[0]) if x.dim() == 3 else out
+
+
+class _Linear8bit(torch.autograd.Function):
+    """``_int8_linear`` with ``MatMul8bitLt``'s backward for ``x``: ``grad @ (CB * (SCB / 127))`` in ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, cb, scb, bias):
+        ctx.save_for_backward(cb, scb)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return _int8_linear(x, cb, scb, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        cb, scb = ctx.saved_tensors
+        if grad.dim() == 3:
+            grad = grad.reshape(-1, grad.shape[-1]).contiguous()
+        w = cb.to(ctx.dtype, copy=True).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
+        return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None
+
+
+def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
+    else it is the layer's own call."""
+    name = type(base).__name__
+    if name == "Linear4bit":
+        plan = _plan4(base, x)
+        if plan is not None:
+            return _result4(x, *plan), True
+    elif name == "Linear8bitLt":
+        plan = _plan8(base, x)
+        if plan is not None:
+            backend.count("base:8bit")
+            base.state.is_training = base.training  # (as the layer's forward sets it)
+            if torch.is_grad_enabled() and x.requires_grad:
+                return _Linear8bit.apply(x, *plan), True
+            return _int8_linear(x, *plan), True
+    return base(x), False
+
+
+def _result4(x, xc, packed, state, bias):
+    global _held
+    backend.count("base:4bit")
+    if torch.is_grad_enabled() and xc.requires_grad:
+        out = _Linear4bit.apply(xc, packed, state, bias)
+    else:
+        w = _dense(packed, state)
+        _held = (packed.data_ptr(), packed._version, state, w)
+        out = F.linear(xc, w, bias)
+    return out.to(x.dtype)
+
+
+def held(packed: torch.Tensor, state) -> torch.Tensor | None:
+    """The dense weight the last ``result`` dequantized, if it is ``packed``'s under ``state`` at its version now."""
+    got = _held
+    if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:
+        return None
+    return got[3]
+
+
+def release() -> None:
+    """Drop the held dense weight (the end of a layer's call)."""
+    global _held
+    _held = None
