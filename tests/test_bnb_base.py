@@ -122,6 +122,24 @@ def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeyp
     assert grads.keys() == want_grads.keys()
 
 
+def test_private_apis_off_keeps_the_layers_own_call(on_cpu, monkeypatch):
+    """``FLASHDORA_PRIVATE_APIS=0`` (the switch for every private internal): both kinds run the layers' own calls."""
+    monkeypatch.setenv("FLASHDORA_PRIVATE_APIS", "0")
+    for model in (qdora_model(), int8_bf16_model()):
+        flashdora.enable(model)
+        model.eval()
+        flashdora.reset_stats()
+        with torch.no_grad():
+            model(input_ids=make_ids(256))
+            model(input_ids=make_ids(256))
+        assert not any(k.startswith("base:") for k in flashdora.stats())
+    monkeypatch.setenv("FLASHDORA_PRIVATE_APIS", "1")
+    flashdora.reset_stats()
+    with torch.no_grad():
+        model(input_ids=make_ids(256))
+    assert flashdora.stats()["base:8bit"] == len(_int8_bases(model))
+
+
 def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # noqa: F811
     """``enable`` re-classes PEFT's ``lora.bnb.Linear4bit`` layers (printed as PEFT's), ``disable`` restores them;
     ``patch_peft`` gives PEFT's class flashdora's forward and ``unpatch_peft`` its own back; the class pickles by

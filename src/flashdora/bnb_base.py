@@ -16,7 +16,8 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
 
 Wherever anything could differ (fewer rows, where bitsandbytes runs its fused 4-bit kernel; outlier thresholds;
 hooks on the layer; its first call; a bias that trains or needs a cast; another bitsandbytes version;
-``torch.func``; bitsandbytes' CPU training path) the layer's own forward runs.
+``torch.func``; bitsandbytes' CPU training path) the layer's own forward runs, as it does everywhere with
+``FLASHDORA_PRIVATE_APIS=0``.
 """
 
 from __future__ import annotations
@@ -91,10 +92,11 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def _free(base, x) -> bool:
-    """The conditions both paths share: a device they run on, bitsandbytes' own forward, no compile or transform."""
+    """The conditions both paths share: a device they run on, bitsandbytes' own forward, no compile or transform,
+    private internals allowed (``FLASHDORA_PRIVATE_APIS``: the hooks' and bitsandbytes' private names)."""
     return (
-        x.device.type in DEVICES and x.numel() > 0 and _plain_module(base) and not torch.compiler.is_compiling()
-        and not backend.functorch_active()
+        x.device.type in DEVICES and x.numel() > 0 and backend.private_apis() and _plain_module(base)
+        and not torch.compiler.is_compiling() and not backend.functorch_active()
     )  # fmt: skip
 
 
