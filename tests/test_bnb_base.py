@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flashdora
+from tests.helpers import rel_err
 from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fixture)
 from tests.qdora_models import bf16_model, int8_bf16_model, qdora_model
 
@@ -103,23 +104,81 @@ def _few_rows(layer):
     bnb_base._ROWS["cpu"] = 10**6
 
 
-@pytest.mark.parametrize("change", [_hooked, _replaced, _trained_bias, _few_rows],
-                         ids=["forward-hook", "instance-forward", "bias-trains", "under-the-cutoff"])  # fmt: skip
+def _other_compute_dtype(layer):
+    layer.compute_dtype = torch.bfloat16  # (the weight dequantizes to float32: bitsandbytes casts x instead)
+
+
+def _bias_needs_cast(layer):
+    layer.bias = torch.nn.Parameter(torch.zeros(layer.out_features, dtype=torch.bfloat16), requires_grad=False)
+
+
+def _first_call(layer):
+    layer.compute_type_is_set = False  # (bitsandbytes picks the compute dtype on the layer's first call)
+
+
+@pytest.mark.parametrize("change", [_hooked, _replaced, _trained_bias, _few_rows, _other_compute_dtype,
+                                    _bias_needs_cast, _first_call],
+                         ids=["forward-hook", "instance-forward", "bias-trains", "under-the-cutoff",
+                              "other-compute-dtype", "bias-needs-a-cast", "first-call"])  # fmt: skip
 def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeypatch):
-    """Hooks, a replaced forward, a bias that trains and fewer rows than bitsandbytes' fused-kernel cutoff: the layer's
-    own call runs (none counted), and the model computes what PEFT's own QDoRA computes."""
+    """Hooks, a replaced forward, a bias that trains or needs bitsandbytes' in-place cast, fewer rows than its
+    fused-kernel cutoff, a compute dtype other than the weight's, the layer's first call: the layer's own call runs
+    (none counted): the logits and gradients are those of the same model with the path off, bit for bit, and
+    within 1e-4 of PEFT's own QDoRA's (1e-2 where the base computes in bf16)."""
     monkeypatch.setattr(bnb_base, "_ROWS", {})
     model = qdora_model()
     for layer in _bases(model):
         change(layer)
-    twin = copy.deepcopy(model)
+    peft = copy.deepcopy(model)
     flashdora.enable(model)
+    twin = copy.deepcopy(model)
     flashdora.reset_stats()
     _, logits, grads = train_step(model, make_ids(256))
-    _, want_logits, want_grads = train_step(twin, make_ids(256))
     assert "base:4bit" not in flashdora.stats()
-    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
-    assert grads.keys() == want_grads.keys()
+    monkeypatch.setattr(bnb_base, "DEVICES", ())
+    for other, exact in [(twin, True), (peft, False)]:
+        _, want_logits, want_grads = train_step(other, make_ids(256))
+        assert grads.keys() == want_grads.keys()
+        tol = 1e-2 if change is _other_compute_dtype else 1e-4
+        for got, want in [(logits, want_logits), *((grads[k], v) for k, v in want_grads.items())]:
+            assert torch.equal(got, want) if exact else rel_err(got, want) <= tol
+
+
+def test_a_module_only_named_like_bitsandbytes_runs_its_own_call(on_cpu):
+    """``result`` on a module whose class is only named ``Linear4bit`` / ``Linear8bitLt``: its own call, no error."""
+
+    class Linear4bit(torch.nn.Linear):
+        pass
+
+    class Linear8bitLt(torch.nn.Linear):
+        pass
+
+    x = torch.randn(3, 8)
+    for layer in (Linear4bit(8, 4), Linear8bitLt(8, 4)):
+        out, fresh = bnb_base.result(layer, x)
+        assert not fresh and torch.equal(out, layer(x))
+
+
+def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cpu, monkeypatch):
+    """The dense weight a 4-bit forward holds for the miss is refused once the packed weight is written in place
+    (a new version), and nothing stays held after a layer call that raised past the base result (as checkpointing's
+    early stop does)."""
+    from flashdora import peft_integration
+
+    model = qdora_model()
+    flashdora.enable(model)
+    model.eval()
+    base = _bases(model)[0]
+    with torch.no_grad():
+        _, fresh = bnb_base.result(base, torch.randn(2, 8, base.in_features))
+        packed, state = base.weight.detach(), base.weight.quant_state
+        assert fresh and torch.equal(bnb_base.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
+        base.weight.add_(0)
+        assert bnb_base.held(packed, state) is None
+    monkeypatch.setattr(peft_integration, "flash_forward", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError), torch.no_grad():
+        model(input_ids=make_ids(256))
+    assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_base._held is None
 
 
 def test_private_apis_off_keeps_the_layers_own_call(on_cpu, monkeypatch):

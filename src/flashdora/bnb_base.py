@@ -102,7 +102,7 @@ def _free(base, x) -> bool:
 
 def _plan4(base, x):
     """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
-    if not base.compute_type_is_set or not _free(base, x):
+    if not _free(base, x) or not base.compute_type_is_set:
         return None
     weight = layers.param(base, "weight")
     state = getattr(weight, "quant_state", None)
@@ -208,7 +208,9 @@ class _Linear8bit(torch.autograd.Function):
 
 def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
-    else it is the layer's own call."""
+    else it is the layer's own call. The caller ``release``s once the layer's call is done (a ``finally``)."""
+    global _held
+    _held = None  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
         plan = _plan4(base, x)

@@ -155,7 +155,9 @@ def _native_4bit(packed: torch.Tensor, state):
     bitsandbytes version it was not tested with)."""
     from flashdora import native
 
-    if not packed.is_cuda or packed.shape[0] == 1 or not native.enabled():
+    if not packed.is_cuda or packed.shape[0] == 1 or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        return None  # (another quant_storage, e.g. FSDP-QLoRA's bf16: bitsandbytes' own function)
+    if not native.enabled():
         return None
     mod = native.module(wait=False)
     dtype = _DTYPE_NAMES.get(state.dtype)

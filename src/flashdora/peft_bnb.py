@@ -43,18 +43,17 @@ def _lean_forward(self, x, *args, **kwargs):
     ):  # fmt: skip
         return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
     seq = after_base()
-    result, fresh = bnb_base.result(mods["base_layer"], x)
-    if not fresh and _CLONES[self._flashdora_kind]:
-        result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
-    if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
-        result = _pi.flash_forward(self, active, x, result, seq)
-    else:
+    try:
+        result, fresh = bnb_base.result(mods["base_layer"], x)
+        if not fresh and _CLONES[self._flashdora_kind]:
+            result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
+        if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
+            return _pi.flash_forward(self, active, x, result, seq)
         dtype = result.dtype
         x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
-        result = _pi.flash_forward(self, active, x, result, seq).to(dtype)
-    if fresh:
-        bnb_base.release()
-    return result
+        return _pi.flash_forward(self, active, x, result, seq).to(dtype)
+    finally:
+        bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 
 
 def peft_class(kind: str, load: bool = False) -> type | None:

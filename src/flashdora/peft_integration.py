@@ -225,12 +225,19 @@ def _lean_forward(self, x, *args, **kwargs):
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
     seq = after_base()
     base = mods["base_layer"]
-    result, fresh = bnb_base.result(base, x) if _bnb(base) else (base(x), False)
+    if not _bnb(base):
+        return _adapt(self, active, x, base(x), seq)
+    try:
+        return _adapt(self, active, x, bnb_base.result(base, x)[0], seq)
+    finally:
+        bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
+
+
+def _adapt(self, active, x, result, seq):
+    """``_lean_forward`` after the base layer: PEFT's cast of ``x``, the variant, the result in the base's dtype."""
     dtype = result.dtype
-    x = self._cast_input_dtype(x, _param(a_layers[active], "weight").dtype)
+    x = self._cast_input_dtype(x, _param(self._modules["lora_A"]._modules[active], "weight").dtype)
     result = flash_forward(self, active, x, result, seq)
-    if fresh:
-        bnb_base.release()
     return result if result.dtype == dtype else result.to(dtype)
 
 
