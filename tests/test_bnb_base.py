@@ -18,7 +18,7 @@ from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fix
 from tests.qdora_models import bf16_model, int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
-from flashdora import bnb_base, peft_bnb  # noqa: E402
+from flashdora import bnb_base, peft_layers  # noqa: E402
 
 
 @pytest.fixture
@@ -181,16 +181,21 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
     assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_base._held is None
 
 
+def _enabled_eval_twice(model):
+    """``model`` enabled, then two eval forwards (the first call of an 8-bit layer is its own) on fresh counters."""
+    flashdora.enable(model)
+    model.eval()
+    flashdora.reset_stats()
+    with torch.no_grad():
+        model(input_ids=make_ids(256))
+        model(input_ids=make_ids(256))
+
+
 def test_private_apis_off_keeps_the_layers_own_call(on_cpu, monkeypatch):
     """``FLASHDORA_PRIVATE_APIS=0`` (the switch for every private internal): both kinds run the layers' own calls."""
     monkeypatch.setenv("FLASHDORA_PRIVATE_APIS", "0")
     for model in (qdora_model(), int8_bf16_model()):
-        flashdora.enable(model)
-        model.eval()
-        flashdora.reset_stats()
-        with torch.no_grad():
-            model(input_ids=make_ids(256))
-            model(input_ids=make_ids(256))
+        _enabled_eval_twice(model)
         assert not any(k.startswith("base:") for k in flashdora.stats())
     monkeypatch.setenv("FLASHDORA_PRIVATE_APIS", "1")
     flashdora.reset_stats()
@@ -205,19 +210,19 @@ def test_peft_bnb_class_enable_disable_patch_and_pickle(on_cpu, unpatched):  # n
     name. (A whole bitsandbytes model does not round-trip through ``torch.save``, PEFT's own neither: its weights
     lose their quantization state.)"""
     model = qdora_model(peft_bnb=True)
-    peft_cls = peft_bnb.peft_class("Linear4bit")
+    peft_cls = peft_layers.peft_class("Linear4bit")
     layers = [m for m in model.modules() if type(m) is peft_cls]
     assert len(layers) == len(_bases(model))
     flashdora.enable(model)
-    assert all(type(m) is peft_bnb.FlashDoraLinear4bit for m in layers)
+    assert all(type(m) is peft_layers.FlashDoraLinear4bit for m in layers)
     assert "lora.Linear4bit(" in repr(layers[0])
     ids = make_ids(256)
-    assert pickle.loads(pickle.dumps(type(layers[0]))) is peft_bnb.FlashDoraLinear4bit  # (found by name)
+    assert pickle.loads(pickle.dumps(type(layers[0]))) is peft_layers.FlashDoraLinear4bit  # (found by name)
     flashdora.disable(model)
     assert all(type(m) is peft_cls for m in layers)
     forward = peft_cls.__dict__["forward"]
     flashdora.patch_peft()
-    assert peft_cls.__dict__["forward"] is peft_bnb._lean_forward
+    assert peft_cls.__dict__["forward"] is peft_layers._lean_forward_bnb
     flashdora.reset_stats()
     fresh = qdora_model(peft_bnb=True)
     fresh.eval()
@@ -268,12 +273,7 @@ def test_int8_outlier_threshold_keeps_the_layers_own_call(monkeypatch):
     model = int8_bf16_model()
     for layer in _int8_bases(model):
         layer.state.threshold = 6.0
-    flashdora.enable(model)
-    model.eval()
-    flashdora.reset_stats()
-    with torch.no_grad():
-        model(input_ids=make_ids(256))
-        model(input_ids=make_ids(256))
+    _enabled_eval_twice(model)
     assert "base:8bit" not in flashdora.stats()
 
 
@@ -304,11 +304,11 @@ def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkey
 
 def test_patch_peft_before_any_enable_then_unpatch(monkeypatch, unpatched):  # noqa: F811
     """``patch_peft`` as the first call (nothing kept yet): ``unpatch_peft`` gives PEFT's class its own forward."""
-    monkeypatch.setattr(peft_bnb, "_peft_forwards", {})
-    classes = [peft_bnb.peft_class(kind, load=True) for kind in peft_bnb.KINDS]
+    monkeypatch.setattr(peft_layers, "_peft_forwards", {})
+    classes = [peft_layers.peft_class(kind, load=True) for kind in peft_layers.KINDS]
     forwards = [cls.__dict__["forward"] for cls in classes]
     flashdora.patch_peft()
-    assert all(cls.__dict__["forward"] is peft_bnb._lean_forward for cls in classes)
+    assert all(cls.__dict__["forward"] is peft_layers._lean_forward_bnb for cls in classes)
     flashdora.unpatch_peft()
     assert [cls.__dict__["forward"] for cls in classes] == forwards
     assert not any("_flashdora_kind" in cls.__dict__ for cls in classes)

@@ -73,7 +73,7 @@ def _seen_lora_inputs(model, run):
 def test_input_cast_skip_is_bitwise_neutral(monkeypatch, dropout):
     """Under autocast, PEFT's cast of x to the fp32 adapters' dtype is skipped on flashdora layers without active
     dropout; outputs and every gradient stay bitwise equal to running with PEFT's cast."""
-    from flashdora import peft_integration
+    from flashdora import peft_layers
 
     model = _bf16_model_fp32_adapters(dropout)
     ids = make_ids(256)
@@ -85,7 +85,7 @@ def test_input_cast_skip_is_bitwise_neutral(monkeypatch, dropout):
     seen = []
     fast = _seen_lora_inputs(model, lambda: seen.append(run()))
     with monkeypatch.context() as m:
-        m.setattr(peft_integration.FlashDoraLinear, "_cast_input_dtype", peft_integration._PEFT_CAST)
+        m.setattr(peft_layers.FlashDoraLinear, "_cast_input_dtype", peft_layers._PEFT_CAST)
         slow = _seen_lora_inputs(model, lambda: seen.append(run()))
     assert set(slow) == {torch.float32}
     n_eval = len(fast) // 2

@@ -6,7 +6,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 
 import flashdora
-from flashdora import peft_integration
+from flashdora import peft_layers
 from flashdora.demo import build_peft_model
 from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
 from tests.helpers import backward_order, rel_err
@@ -81,7 +81,7 @@ def test_layer_class_swap_is_invisible_and_falls_back_to_peft(monkeypatch):
     model, copies and pickles stay the same, and calls the lean path does not take run PEFT's forward."""
     import io
 
-    from flashdora.peft_integration import FlashDoraLinear
+    from flashdora.peft_layers import FlashDoraLinear
 
     model = llama()
     text = repr(model)
@@ -93,7 +93,7 @@ def test_layer_class_swap_is_invisible_and_falls_back_to_peft(monkeypatch):
     ref = eval_logits(model, ids)
     assert torch.equal(eval_logits(copy.deepcopy(model), ids), ref)
     with monkeypatch.context() as m:  # plain calls of flashdora layers never reach PEFT's Linear.forward
-        m.setattr(peft_integration, "_PEFT_LINEAR_FORWARD", None)
+        m.setattr(peft_layers, "_PEFT_LINEAR_FORWARD", None)
         assert torch.equal(eval_logits(model, ids), ref)
     buf = io.BytesIO()
     torch.save(model, buf)
@@ -168,7 +168,7 @@ def test_patch_peft_covers_existing_and_new_layers():
     assert rel_err(eval_logits(existing, ids), ref) <= 1e-5
     created = llama()
     with pytest.MonkeyPatch.context() as m:  # PEFT's Linear takes the lean forward: plain calls never reach PEFT's
-        m.setattr(peft_integration, "_PEFT_LINEAR_FORWARD", None)
+        m.setattr(peft_layers, "_PEFT_LINEAR_FORWARD", None)
         eval_logits(created, ids)
     n = flashdora.stats()["eager"]
     assert n == 2 * 14  # 2 layers x 7 projections, in both models
@@ -178,7 +178,7 @@ def test_patch_peft_covers_existing_and_new_layers():
     assert flashdora.stats() == {}
     flashdora.unpatch_peft()
     flashdora.unpatch_peft()
-    assert PeftLinear.forward is peft_integration._PEFT_LINEAR_FORWARD
+    assert PeftLinear.forward is peft_layers._PEFT_LINEAR_FORWARD
     eval_logits(created, ids)
     assert flashdora.stats() == {}
 
@@ -261,5 +261,5 @@ def test_base_layer_backward_runs_before_the_lora_a_matmul(monkeypatch, lead, bi
     x = torch.randn(*lead, 16, requires_grad=True)
     order = backward_order(layer(x))
     assert "a" in order and set(order[:-1]) == {"base"} and order[-1] == "a"
-    monkeypatch.setattr(peft_integration, "after_base", lambda: -1)
+    monkeypatch.setattr(peft_layers, "after_base", lambda: -1)
     assert backward_order(layer(x))[0] == "a"

@@ -6,8 +6,9 @@ PEFT keeps one variant object per (layer, adapter) in ``module.lora_variant``. I
 - ``PeftDoraLinearVariant`` (set by ``disable``): PEFT's own DoRA, always.
 - PEFT's ``DoraLinearVariant`` (what PEFT creates): follows the process-wide ``patch_peft`` switch.
 
-``enable`` also re-classes PEFT's LoRA ``Linear`` layers as ``FlashDoraLinear``, whose forward skips PEFT's per-call
-dispatch on the plain calls that flashdora runs (``disable`` restores the class). Merge, unmerge, save and load stay
+``enable`` also re-classes PEFT's LoRA ``Linear`` layers (and its ``lora.bnb`` ones) as flashdora's
+(``peft_layers``), whose forward skips PEFT's per-call dispatch on the plain calls that flashdora runs (``disable``
+restores the class). Merge, unmerge, save and load stay
 PEFT's (only forwards are replaced), so checkpoints keep PEFT's format. Cases we do not handle run PEFT's code with
 a one-time warning and a ``peft_fallback:<reason>`` counter.
 """
@@ -21,19 +22,18 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import backend, bnb_base, peft_bnb, watch
+from flashdora import backend, peft_layers, watch
 from flashdora.layers import base_layer as _base_layer
 from flashdora.layers import dequantized as _dequantized
 from flashdora.layers import is_bnb as _bnb
 from flashdora.layers import param as _param
 from flashdora.layers import reason as _reason
 from flashdora.layers import unsupported_reason
-from flashdora.ops.compose import after_base, compose, compose_eager
+from flashdora.ops.compose import compose, compose_eager
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.watch import watch_writes
 
 _PEFT_DORA = variants.DoraLinearVariant
-_PEFT_LINEAR_FORWARD = PeftLinear.forward
 _PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
 # DoRA variants of layer types flashdora does not handle: their PEFT forward runs, counted under this reason.
 _OTHER_DORA = {
@@ -58,7 +58,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, **kwargs):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
 
-    ``_seq``: ``ops.compose.after_base()`` taken right before the base layer ran (``_lean_forward``), else -1."""
+    ``_seq``: ``ops.compose.after_base()`` taken right before the base layer ran (``peft_layers``), else -1."""
     if watch.fsdp_hook is None:  # a process group may have come up since (FSDP2: watch.py)
         watch.watch_fsdp()
     if "_flashdora_pending" in module.__dict__:  # FSDP2 has just gathered this layer's weights
@@ -117,43 +117,6 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
 
 
-_PEFT_CAST = LoraLayer._cast_input_dtype
-
-
-def _cast_input_dtype(self, x, dtype: torch.dtype):
-    """PEFT's cast of a LoRA layer's input to the adapters' dtype, skipped where it cannot change any value.
-
-    Under autocast PEFT casts a 16-bit ``x`` to the fp32 adapters' dtype and autocast casts it straight back for
-    the LoRA matmuls: a round trip that costs a cast each way in forward and backward. On layers whose active
-    adapters all run flashdora without an active dropout, flashdora takes ``x`` as it is (the values the matmuls see
-    are the same, bit for bit). So it does with an active dropout in ``dropout="adapter"`` mode: the dropout then
-    runs on the 16-bit ``x`` (on CUDA the same values as on the float32 copy, for a given mask: the kernel scales in
-    float32; on the CPU the scale ``1 / (1 - p)`` is rounded to the 16-bit dtype first). Elsewhere (the exact
-    form's dropout in training, other adapters, no autocast) PEFT's cast runs.
-    """
-    if (
-        x is not None
-        and x.dtype != dtype
-        and torch.is_autocast_enabled(x.device.type)
-        and x.dtype == torch.get_autocast_dtype(x.device.type)
-    ):
-        variants_ = self.lora_variant
-        dropouts = self._modules["lora_dropout"]._modules
-        training = self.training
-        for adapter in self.active_adapters:
-            if adapter not in variants_:
-                if adapter in self._modules["lora_A"]._modules:
-                    break  # a vanilla LoRA adapter: PEFT's own path
-                continue
-            if not _runs_flashdora(type(variants_[adapter])):
-                break
-            if training and not isinstance(dropouts[adapter], nn.Identity) and dropout_mode(self) != "adapter":
-                break
-        else:
-            return x
-    return _PEFT_CAST(self, x, dtype)
-
-
 def _cache_id(owner) -> int:
     """The norm-cache id of a (layer, adapter)'s magnitude ``owner``: registered on first eager use, or by ``enable``
     (again for a copy of another model's layer, which carries that layer's id); -1 means none."""
@@ -191,64 +154,6 @@ class PeftDoraLinearVariant(_PEFT_DORA):
     """PEFT's DoRA Linear variant pinned to PEFT's own forward, whatever ``patch_peft`` says."""
 
     forward = _PEFT_FORWARD
-
-
-class FlashDoraLinear(PeftLinear):
-    """PEFT's LoRA ``Linear``, as ``enable`` re-classes a model's layers: a plain call whose one active adapter runs
-    flashdora goes straight to it; any other call runs PEFT's own ``Linear.forward``.
-
-    The same function as PEFT's (``base_layer(x)``, PEFT's cast of ``x``, the variant's forward, the result in the
-    base layer's dtype), without PEFT's per-call dispatch: argument checks, properties, module-dict lookups and
-    keyword plumbing, host time a model pays on every layer call. Printed as PEFT's class.
-    """
-
-    def forward(self, x, *args, **kwargs):
-        return _lean_forward(self, x, *args, **kwargs)
-
-    _cast_input_dtype = _cast_input_dtype
-
-    def _get_name(self):
-        return "Linear"
-
-
-def _lean_forward(self, x, *args, **kwargs):
-    """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
-    active = self._active_adapter
-    if type(active) is not str:
-        active = active[0] if len(active) == 1 else None
-    mods = self._modules
-    a_layers = mods["lora_A"]._modules
-    if (
-        args or kwargs or active is None or self._disable_adapters or self.merged_adapters or active not in a_layers
-        or not _runs_flashdora(type(self.lora_variant.get(active)))
-    ):  # fmt: skip
-        return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
-    seq = after_base()
-    base = mods["base_layer"]
-    if not _bnb(base):
-        return _adapt(self, active, x, base(x), seq)
-    try:
-        return _adapt(self, active, x, bnb_base.result(base, x)[0], seq)
-    finally:
-        bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
-
-
-def _adapt(self, active, x, result, seq):
-    """``_lean_forward`` after the base layer: PEFT's cast of ``x``, the variant, the result in the base's dtype."""
-    dtype = result.dtype
-    x = self._cast_input_dtype(x, _param(self._modules["lora_A"]._modules[active], "weight").dtype)
-    result = flash_forward(self, active, x, result, seq)
-    return result if result.dtype == dtype else result.to(dtype)
-
-
-def _swap_linear_class(model: nn.Module, flash: bool) -> None:
-    """PEFT's LoRA ``Linear`` (and ``lora.bnb``) layers of ``model`` re-classed as flashdora's (``flash``) or PEFT's
-    own."""
-    pairs = [(PeftLinear, FlashDoraLinear), *peft_bnb.pairs()]
-    for module in model.modules():
-        for peft_cls, flash_cls in pairs:
-            if type(module) in (peft_cls, flash_cls):
-                module.__class__ = flash_cls if flash else peft_cls
 
 
 def _make_counting(cls: type) -> type:
@@ -338,7 +243,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
         if isinstance(module, LoraLayer):
             module.__dict__["_flashdora_dropout"] = dropout
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
-    _swap_linear_class(model, True)
+    peft_layers.swap_linear_class(model, True)
     watch_writes(model, True)
     watch.watch_fsdp()
     return model
@@ -349,7 +254,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
     _swap_variants(model, PeftDoraLinearVariant)
-    _swap_linear_class(model, False)
+    peft_layers.swap_linear_class(model, False)
     watch_writes(model, False)
     for module in model.modules():
         module.__dict__.pop("_flashdora_dropout", None)
@@ -366,9 +271,9 @@ def patch_peft(*, dropout: str = "exact") -> None:
     global _patch_dropout
     _patch_dropout = _dropout_mode("patch_peft", dropout)
     _PEFT_DORA.forward = _FLASH_STATIC
-    PeftLinear.forward = _lean_forward
-    PeftLinear._cast_input_dtype = _cast_input_dtype
-    peft_bnb.patch(True)
+    PeftLinear.forward = peft_layers.lean_forward
+    PeftLinear._cast_input_dtype = peft_layers.cast_input_dtype
+    peft_layers.patch_bnb(True)
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
             counting = _counting(cls)  # captures PEFT's forward before it is replaced
@@ -381,10 +286,10 @@ def unpatch_peft() -> None:
     global _patch_dropout
     _patch_dropout = "exact"
     _PEFT_DORA.forward = _PEFT_FORWARD
-    PeftLinear.forward = _PEFT_LINEAR_FORWARD
-    if PeftLinear.__dict__.get("_cast_input_dtype") is _cast_input_dtype:
+    PeftLinear.forward = peft_layers._PEFT_LINEAR_FORWARD
+    if PeftLinear.__dict__.get("_cast_input_dtype") is peft_layers.cast_input_dtype:
         del PeftLinear._cast_input_dtype  # LoraLayer's, inherited, again
-    peft_bnb.patch(False)
+    peft_layers.patch_bnb(False)
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" in cls.__dict__:
             original = cls.__dict__["_flashdora_peft_forward"]
@@ -411,3 +316,9 @@ def layer_path(module: LoraLayer, adapter: str) -> str:
         return f"peft:{reason}"
     weight = module.get_base_layer().weight
     return "flashdora:triton" if backend.use_triton(weight) else "flashdora:eager"
+
+
+def __getattr__(name: str):
+    if name == "FlashDoraLinear":  # (its home before peft_layers: pickles and callers may name it here)
+        return peft_layers.FlashDoraLinear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
