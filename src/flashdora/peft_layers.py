@@ -35,27 +35,6 @@ _peft_forwards: dict[str, object] = {}
 _flash_classes: dict[str, type] = {}
 
 
-def _lean_forward_bnb(self, x, *args, **kwargs):
-    """``FlashDoraLinear4bit.forward`` / ``FlashDoraLinear8bitLt.forward``, and PEFT's own classes' forward while
-    ``patch_peft`` is on."""
-    active = plain_active(self, args, kwargs)
-    if active is None:
-        return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
-    mods = self._modules
-    seq = after_base()
-    try:
-        result, fresh = bnb_base.result(mods["base_layer"], x)
-        if not fresh and _CLONES[self._flashdora_kind]:
-            result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
-        if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
-            return _pi.flash_forward(self, active, x, result, seq)
-        dtype = result.dtype
-        x = self._cast_input_dtype(x, _param(mods["lora_A"]._modules[active], "weight").dtype)
-        return _pi.flash_forward(self, active, x, result, seq).to(dtype)
-    finally:
-        bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
-
-
 _PEFT_CAST = LoraLayer._cast_input_dtype
 
 
@@ -156,6 +135,27 @@ def swap_linear_class(model: nn.Module, flash: bool) -> None:
         for peft_cls, flash_cls in classes:
             if type(module) in (peft_cls, flash_cls):
                 module.__class__ = flash_cls if flash else peft_cls
+
+
+def _lean_forward_bnb(self, x, *args, **kwargs):
+    """``FlashDoraLinear4bit.forward`` / ``FlashDoraLinear8bitLt.forward``, and PEFT's own classes' forward while
+    ``patch_peft`` is on."""
+    active = plain_active(self, args, kwargs)
+    if active is None:
+        return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
+    mods = self._modules
+    seq = after_base()
+    try:
+        result, fresh = bnb_base.result(mods["base_layer"], x)
+        if not fresh and _CLONES[self._flashdora_kind]:
+            result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
+        if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
+            return _pi.flash_forward(self, active, x, result, seq)
+        dtype = result.dtype
+        x = self._cast_input_dtype(x, _param(mods["lora_A"]._modules[active], "weight").dtype)
+        return _pi.flash_forward(self, active, x, result, seq).to(dtype)
+    finally:
+        bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 
 
 def peft_class(kind: str, load: bool = False) -> type | None:
