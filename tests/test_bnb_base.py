@@ -1,7 +1,7 @@
 """A bitsandbytes layer's base result computed by flashdora (``bnb_base``): the layer's own values, bit for bit, only
 where flashdora makes the calls bitsandbytes makes (4-bit: where it dequantizes and calls ``F.linear``; 8-bit: its
-int8 product at threshold 0); a 4-bit layer's dense weight handed to the norm-cache miss; PEFT's ``lora.bnb``
-classes re-classed by ``enable`` and patched by ``patch_peft``.
+int8 product, with or without outlier columns); a 4-bit layer's dense weight handed to the norm-cache miss; PEFT's
+``lora.bnb`` classes re-classed by ``enable`` and patched by ``patch_peft``.
 
 On the CPU bitsandbytes' ``gemm_4bit`` always dequantizes, so these tests let the path run here (``DEVICES``); on
 CUDA it runs past bitsandbytes' fused-kernel cutoff (tests marked gpu)."""
@@ -237,13 +237,18 @@ def _int8_bases(model):
     return [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
 
 
+@pytest.mark.parametrize("threshold", [0.0, 2.0], ids=["threshold-0", "outliers"])
 @pytest.mark.parametrize("peft_class", [False, True], ids=["peft-linear", "peft-bnb-class"])
-def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, monkeypatch):
-    """An 8-bit layer (threshold 0): eval logits, and logits and gradients of two backwards in eval mode (bitsandbytes'
-    CPU backend trains through another function, ``MatMul8bitFp``; eval mode takes ``MatMul8bitLt``, the one CUDA
-    trains with) are the same bits with flashdora's base result and the layer's own call. The layer's first call is
-    its own (it moves its int8 weight into its state); in training mode on the CPU every call is."""
+def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, threshold, monkeypatch):
+    """An 8-bit layer: eval logits, and logits and gradients of two backwards in eval mode (bitsandbytes' CPU backend
+    trains through another function, ``MatMul8bitFp``; eval mode takes ``MatMul8bitLt``, the one CUDA trains with) are
+    the same bits with flashdora's base result and the layer's own call, at threshold 0 and with an outlier threshold
+    (bitsandbytes' mixed product; 2.0 here so that a tiny model's normalized inputs have outlier columns). The
+    layer's first call is its own (it moves its int8 weight into its state); in training mode on the CPU every call
+    is."""
     model = int8_bf16_model(peft_bnb=peft_class)
+    for layer in _int8_bases(model):
+        layer.state.threshold = threshold
     flashdora.enable(model)
     twin = copy.deepcopy(model)
     runs = []
@@ -257,23 +262,15 @@ def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, monkeypatch)
             logits = m(input_ids=make_ids(256, step), labels=make_ids(256, step)).logits
             logits.float().square().mean().backward()
             out += [logits.detach(), *(p.grad for p in m.parameters() if p.requires_grad)]
+        out += [layer.state.idx for layer in _int8_bases(m)] if threshold else []
         runs.append(out)
         n_fast = flashdora.stats().get("base:8bit", 0)
         assert n_fast == (2 * len(_int8_bases(m)) if fast else 0)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not threshold or any(layer.state.idx.numel() for layer in _int8_bases(model))  # outliers were there
     monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
     flashdora.reset_stats()
     train_step(model, make_ids(256))
-    assert "base:8bit" not in flashdora.stats()
-
-
-def test_int8_outlier_threshold_keeps_the_layers_own_call(monkeypatch):
-    """A threshold above 0 (bitsandbytes' mixed int8 product with outlier columns): the layer's own call."""
-    monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
-    model = int8_bf16_model()
-    for layer in _int8_bases(model):
-        layer.state.threshold = 6.0
-    _enabled_eval_twice(model)
     assert "base:8bit" not in flashdora.stats()
 
 
@@ -315,12 +312,15 @@ def test_patch_peft_before_any_enable_then_unpatch(monkeypatch, unpatched):  # n
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("threshold", [0.0, 2.0], ids=["threshold-0", "outliers"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 @pytest.mark.parametrize("peft_class", [False, True], ids=["peft-linear", "peft-bnb-class"])
-def test_cuda_int8_training_bit_for_bit(autocast, peft_class, monkeypatch):
+def test_cuda_int8_training_bit_for_bit(autocast, peft_class, threshold, monkeypatch):
     """On CUDA an 8-bit layer's base result is flashdora's from its second call on, in training, and every logit and
-    gradient of two training steps is the layer's own bit for bit."""
+    gradient of two training steps is the layer's own bit for bit, at threshold 0 and with outlier columns."""
     model = int8_bf16_model(device="cuda", peft_bnb=peft_class)
+    for layer in _int8_bases(model):
+        layer.state.threshold = threshold
     flashdora.enable(model)
     twin = copy.deepcopy(model)
     runs = []

@@ -10,14 +10,13 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
   the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a norm-cache
   miss of the same layer needs: ``held`` hands it over (the miss then dequantizes nothing), and ``release`` drops it
   once the layer's call is done.
-- ``Linear8bitLt`` (threshold 0, a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls
-  the ``int8_scaled_mm`` op; its backward dequantizes ``CB`` to the input's dtype for ``grad_x``. Here the same two
-  ops and the same backward.
+- ``Linear8bitLt`` (a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls the
+  ``int8_scaled_mm`` op (``int8_mixed_scaled_mm`` above an outlier threshold); its backward dequantizes ``CB`` to the
+  input's dtype for ``grad_x``. Here the same ops and the same backward.
 
-Wherever anything could differ (fewer rows, where bitsandbytes runs its fused 4-bit kernel; outlier thresholds;
-hooks on the layer; its first call; a bias that trains or needs a cast; another bitsandbytes version;
-``torch.func``; bitsandbytes' CPU training path) the layer's own forward runs, as it does everywhere with
-``FLASHDORA_PRIVATE_APIS=0``.
+Wherever anything could differ (fewer rows, where bitsandbytes runs its fused 4-bit kernel; hooks on the layer;
+its first call; a bias that trains or needs a cast; another bitsandbytes version; ``torch.func``; bitsandbytes' CPU
+training path) the layer's own forward runs, as it does everywhere with ``FLASHDORA_PRIVATE_APIS=0``.
 """
 
 from __future__ import annotations
@@ -154,35 +153,42 @@ class _Linear4bit(torch.autograd.Function):
 
 
 def _plan8(base, x):
-    """``(CB, SCB, bias)`` where ``result`` takes the 8-bit path, else ``None``."""
+    """``(CB, SCB, bias, state)`` where ``result`` takes the 8-bit path, else ``None``."""
     if not _tested() or not _free(base, x) or x.dim() not in (2, 3):
         return None
     state, weight = base.state, layers.param(base, "weight")
     cb, scb = state.CB, state.SCB
     if cb is None or scb is None or getattr(weight, "CB", None) is not None or weight.requires_grad:
         return None  # (the layer's first call moves CB into its state)
-    if state.has_fp16_weights or state.threshold != 0.0 or cb.device != x.device or x.shape[-1] != cb.shape[1]:
+    if state.has_fp16_weights or cb.device != x.device or x.shape[-1] != cb.shape[1]:
         return None
     if base.training and x.device.type in ("cpu", "xpu"):
         return None  # bitsandbytes trains through MatMul8bitFp there
     bias = layers.param(base, "bias")
     if bias is not None and (bias.requires_grad or bias.dtype != x.dtype):
         return None
-    return cb, scb, bias
+    return cb, scb, bias, state
 
 
-_OPS: list = []  # bitsandbytes' int8_vectorwise_quant and int8_scaled_mm ops
+_OPS: list = []  # bitsandbytes' int8_vectorwise_quant, int8_scaled_mm and int8_mixed_scaled_mm ops
 
 
-def _int8_linear(x, cb, scb, bias):
-    """``MatMul8bitLt.forward`` at threshold 0: ``x`` quantized row-wise (through float16), the int8 product scaled
-    back to ``x``'s dtype, plus ``bias``."""
+def _int8_linear(x, cb, scb, bias, state):
+    """``MatMul8bitLt.forward``'s output: ``x`` quantized row-wise (through float16), the int8 product scaled back to
+    ``x``'s dtype, plus ``bias``; above an outlier threshold (LLM.int8(), ``BitsAndBytesConfig``'s default 6.0) the
+    outlier columns of ``x`` in its own dtype (bitsandbytes' mixed op, the columns recorded on the state as its
+    forward records them)."""
     if not _OPS:
         ops = torch.ops.bitsandbytes
-        _OPS.extend((ops.int8_vectorwise_quant.default, ops.int8_scaled_mm.default))
+        _OPS.extend((ops.int8_vectorwise_quant.default, ops.int8_scaled_mm.default, ops.int8_mixed_scaled_mm))
     a = x.reshape(-1, x.shape[-1]) if x.dim() == 3 else x
-    ca, sca, _ = _OPS[0](a.to(torch.float16), 0.0)
-    out = _OPS[1](ca, cb, sca, scb, bias=bias, dtype=a.dtype)
+    threshold = state.threshold
+    ca, sca, outliers = _OPS[0](a.to(torch.float16), threshold)
+    if threshold > 0.0:
+        state.idx = outliers
+        out = _OPS[2](a, ca, cb, sca, scb, outliers, bias)[0]
+    else:
+        out = _OPS[1](ca, cb, sca, scb, bias=bias, dtype=a.dtype)
     return out.reshape(*x.shape[:-1], cb.shape[0]) if x.dim() == 3 else out
 
 
@@ -190,20 +196,20 @@ class _Linear8bit(torch.autograd.Function):
     """``_int8_linear`` with ``MatMul8bitLt``'s backward for ``x``: ``grad @ (CB * (SCB / 127))`` in ``x``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x, cb, scb, bias):
+    def forward(ctx, x, cb, scb, bias, state):
         ctx.save_for_backward(cb, scb)
         ctx.shape, ctx.dtype = x.shape, x.dtype
-        return _int8_linear(x, cb, scb, bias)
+        return _int8_linear(x, cb, scb, bias, state)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         cb, scb = ctx.saved_tensors
         if grad.dim() == 3:
             grad = grad.reshape(-1, grad.shape[-1]).contiguous()
         w = cb.to(ctx.dtype, copy=True).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
-        return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None
+        return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None, None
 
 
 def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
