@@ -237,6 +237,15 @@ def _int8_bases(model):
     return [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
 
 
+def _int8_twins(threshold, **kwargs):
+    """An enabled ``int8_bf16_model(**kwargs)`` with outlier ``threshold`` on its layers, and a copy of it."""
+    model = int8_bf16_model(**kwargs)
+    for layer in _int8_bases(model):
+        layer.state.threshold = threshold
+    flashdora.enable(model)
+    return model, copy.deepcopy(model)
+
+
 @pytest.mark.parametrize("threshold", [0.0, 2.0], ids=["threshold-0", "outliers"])
 @pytest.mark.parametrize("peft_class", [False, True], ids=["peft-linear", "peft-bnb-class"])
 def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, threshold, monkeypatch):
@@ -246,11 +255,7 @@ def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, threshold, m
     (bitsandbytes' mixed product; 2.0 here so that a tiny model's normalized inputs have outlier columns). The
     layer's first call is its own (it moves its int8 weight into its state); in training mode on the CPU every call
     is."""
-    model = int8_bf16_model(peft_bnb=peft_class)
-    for layer in _int8_bases(model):
-        layer.state.threshold = threshold
-    flashdora.enable(model)
-    twin = copy.deepcopy(model)
+    model, twin = _int8_twins(threshold, peft_bnb=peft_class)
     runs = []
     for fast, m in [(True, model), (False, twin)]:
         monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu") if fast else ("cuda",))
@@ -318,11 +323,7 @@ def test_patch_peft_before_any_enable_then_unpatch(monkeypatch, unpatched):  # n
 def test_cuda_int8_training_bit_for_bit(autocast, peft_class, threshold, monkeypatch):
     """On CUDA an 8-bit layer's base result is flashdora's from its second call on, in training, and every logit and
     gradient of two training steps is the layer's own bit for bit, at threshold 0 and with outlier columns."""
-    model = int8_bf16_model(device="cuda", peft_bnb=peft_class)
-    for layer in _int8_bases(model):
-        layer.state.threshold = threshold
-    flashdora.enable(model)
-    twin = copy.deepcopy(model)
+    model, twin = _int8_twins(threshold, device="cuda", peft_bnb=peft_class)
     runs = []
     for fast, m in [(True, model), (False, twin)]:
         monkeypatch.setattr(bnb_base, "DEVICES", ("cuda",) if fast else ())
