@@ -33,16 +33,9 @@ _held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dens
 
 
 def _tested() -> bool:
-    """Whether this bitsandbytes is a version ``result`` was tested with (``layers._BNB_KERNELS_TESTED``)."""
+    """Whether this bitsandbytes is a version ``result`` was tested with (``layers.bnb_tested``; not ROCm)."""
     if "tested" not in _CACHE:
-        try:
-            import bitsandbytes as bnb
-
-            version = tuple(int(p) for p in bnb.__version__.split(".")[:2])
-            lo, hi = layers._BNB_KERNELS_TESTED
-            _CACHE["tested"] = lo <= version < hi and not torch.version.hip
-        except (ImportError, ValueError):
-            _CACHE["tested"] = False
+        _CACHE["tested"] = layers.bnb_tested() and not torch.version.hip
     return _CACHE["tested"]
 
 
@@ -123,13 +116,12 @@ def _plan4(base, x):
     return (x if cd is None else x.to(cd)), packed, state, bias
 
 
-def _dense(packed, state) -> torch.Tensor:
-    out = layers._native_dequantize_4bit(packed, state) if packed.is_cuda else None
-    if out is None:
-        import bitsandbytes as bnb
-
-        out = bnb.functional.dequantize_4bit(packed, state)
-    return out
+def _held_dense(packed, state) -> torch.Tensor:
+    """The dense weight (``layers.dequantize_4bit``), held for the layer's norm-cache miss (``held``)."""
+    global _held
+    w = layers.dequantize_4bit(packed, state)
+    _held = (packed.data_ptr(), packed._version, state, w)
+    return w
 
 
 class _Linear4bit(torch.autograd.Function):
@@ -137,9 +129,7 @@ class _Linear4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, state, bias):
-        global _held
-        w = _dense(packed, state)
-        _held = (packed.data_ptr(), packed._version, state, w)
+        w = _held_dense(packed, state)
         ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
         ctx.state = state
         return F.linear(x, w, bias)
@@ -149,7 +139,7 @@ class _Linear4bit(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         (packed,) = ctx.saved_tensors
-        return torch.matmul(grad, _dense(packed, ctx.state).to(grad.dtype)), None, None, None
+        return torch.matmul(grad, layers.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
 
 
 def _plan8(base, x):
@@ -234,14 +224,11 @@ def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _result4(x, xc, packed, state, bias):
-    global _held
     backend.count("base:4bit")
     if torch.is_grad_enabled() and xc.requires_grad:
         out = _Linear4bit.apply(xc, packed, state, bias)
     else:
-        w = _dense(packed, state)
-        _held = (packed.data_ptr(), packed._version, state, w)
-        out = F.linear(xc, w, bias)
+        out = F.linear(xc, _held_dense(packed, state), bias)
     return out.to(x.dtype)
 
 

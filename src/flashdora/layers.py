@@ -74,14 +74,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
             from flashdora import bnb_base
 
             out = bnb_base.held(packed, weight.quant_state)  # the layer's forward has just dequantized it
-            if out is not None:
-                return out
-            out = _native_dequantize_4bit(packed, weight.quant_state)
-            if out is not None:
-                return out
-            import bitsandbytes as bnb
-
-            return bnb.functional.dequantize_4bit(packed, weight.quant_state)
+            return dequantize_4bit(packed, weight.quant_state) if out is None else out
         if kind == "Int8Params":
             out = _dequantize_int8(base, weight.data if packed is None else packed, dtype or torch.float32)
             if out is not None:
@@ -89,6 +82,17 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         from peft.utils.integrations import dequantize_module_weight
 
         return dequantize_module_weight(base)
+
+
+def dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor:
+    """``bitsandbytes.functional.dequantize_4bit(packed, state)``: from C++ where ``_native_dequantize_4bit`` runs
+    (the same bits), else that function itself."""
+    out = _native_dequantize_4bit(packed, state)
+    if out is None:
+        import bitsandbytes as bnb
+
+        out = bnb.functional.dequantize_4bit(packed, state)
+    return out
 
 
 _INT8_SCALE = 7.874015718698502e-3  # 1 / 127, as bitsandbytes' int8_vectorwise_dequant writes it
@@ -129,17 +133,27 @@ _BNB_KERNELS_TESTED = ((0, 50), (0, 51))  # bitsandbytes versions whose exported
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def bnb_tested() -> bool:
+    """Whether the installed bitsandbytes is a version flashdora's uses of its internals were tested with
+    (``_BNB_KERNELS_TESTED``)."""
+    try:
+        import bitsandbytes as bnb
+
+        version = tuple(int(p) for p in bnb.__version__.split(".")[:2])
+    except (ImportError, ValueError):
+        return False
+    return _BNB_KERNELS_TESTED[0] <= version < _BNB_KERNELS_TESTED[1]
+
+
 @functools.cache
 def bnb_kernel(name: str) -> int:
     """The address of a kernel wrapper bitsandbytes' library exports (``cdequantize_blockwise_bf16_nf4``...), or 0:
     not a tested bitsandbytes version (``_BNB_KERNELS_TESTED``; the signatures are its library's, not a public API),
     no CUDA library, no such symbol."""
     try:
-        import bitsandbytes as bnb
         from bitsandbytes.cextension import lib
 
-        version = tuple(int(p) for p in bnb.__version__.split(".")[:2])
-        if not _BNB_KERNELS_TESTED[0] <= version < _BNB_KERNELS_TESTED[1] or not getattr(lib, "compiled_with_cuda", 0):
+        if not bnb_tested() or not getattr(lib, "compiled_with_cuda", 0):
             return 0
         fn = getattr(getattr(lib, "_lib", None), name, None)
         if fn is None:
@@ -150,7 +164,8 @@ def bnb_kernel(name: str) -> int:
 
 
 def _native_4bit(packed: torch.Tensor, state):
-    """``(module, kernel address)`` of the C++ 4-bit dequantization for ``packed``, or ``None`` where it does not
+    """``(module, 4-bit kernel address, blockwise kernel address or 0)`` of the C++ 4-bit dequantization for
+    ``packed`` (the blockwise one for a nested state's absmax), or ``None`` where it does not
     run (CPU, switched off, still building, another dtype or quantization, an unexpected nested state, a
     bitsandbytes version it was not tested with)."""
     from flashdora import native
@@ -163,14 +178,16 @@ def _native_4bit(packed: torch.Tensor, state):
     dtype = _DTYPE_NAMES.get(state.dtype)
     if mod is None or dtype is None or state.quant_type not in ("nf4", "fp4"):
         return None
+    fn_blockwise = 0
     if state.nested:
         inner, offset = state.state2, state.offset
         if not isinstance(offset, torch.Tensor) or inner.dtype != torch.float32 or inner.nested:
             return None
-        if not bnb_kernel("cdequantize_blockwise_fp32"):
+        fn_blockwise = bnb_kernel("cdequantize_blockwise_fp32")
+        if not fn_blockwise:
             return None
     fn_4bit = bnb_kernel(f"cdequantize_blockwise_{dtype}_{state.quant_type}")
-    return (mod, fn_4bit) if fn_4bit else None
+    return (mod, fn_4bit, fn_blockwise) if fn_4bit else None
 
 
 def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
@@ -178,14 +195,13 @@ def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
     plan = _native_4bit(packed, state)
     if plan is None:
         return None
-    mod, fn_4bit = plan
+    mod, fn_4bit, fn_blockwise = plan
     if not state.nested:
         return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
                                    None, None, None, 0, 0)  # fmt: skip
     inner = state.state2
     return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
-                               inner.code, inner.absmax, state.offset, inner.blocksize,
-                               bnb_kernel("cdequantize_blockwise_fp32"))  # fmt: skip
+                               inner.code, inner.absmax, state.offset, inner.blocksize, fn_blockwise)  # fmt: skip
 
 
 def _sharded(t) -> bool:
