@@ -112,17 +112,33 @@ def _bias_needs_cast(layer):
     layer.bias = torch.nn.Parameter(torch.zeros(layer.out_features, dtype=torch.bfloat16), requires_grad=False)
 
 
-def _first_call(layer):
-    layer.compute_type_is_set = False  # (bitsandbytes picks the compute dtype on the layer's first call)
+def test_a_4bit_layers_first_call_takes_the_route_of_later_calls(on_cpu, monkeypatch):
+    """The first call of a 4-bit layer (its compute dtype not set yet, its quant state off the weight) takes the
+    shortcut as every later call does, doing bitsandbytes' first-call work itself: a checkpointed forward and its
+    recomputation save the same tensors. Logits and gradients equal the path off's, bit for bit."""
+    monkeypatch.setattr(bnb_base, "_ROWS", {})
+    model = qdora_model()
+    for layer in _bases(model):
+        layer.compute_type_is_set = False
+        layer.compute_dtype = None
+    flashdora.enable(model)
+    twin = copy.deepcopy(model)
+    flashdora.reset_stats()
+    _, logits, grads = train_step(model, make_ids(256))
+    assert flashdora.stats()["base:4bit"] == len(_bases(model))
+    assert all(layer.compute_type_is_set for layer in _bases(model))
+    monkeypatch.setattr(bnb_base, "DEVICES", ())
+    _, want_logits, want_grads = train_step(twin, make_ids(256))
+    assert torch.equal(logits, want_logits) and all(torch.equal(grads[k], v) for k, v in want_grads.items())
 
 
 @pytest.mark.parametrize("change", [_hooked, _replaced, _trained_bias, _few_rows, _other_compute_dtype,
-                                    _bias_needs_cast, _first_call],
+                                    _bias_needs_cast],
                          ids=["forward-hook", "instance-forward", "bias-trains", "under-the-cutoff",
-                              "other-compute-dtype", "bias-needs-a-cast", "first-call"])  # fmt: skip
+                              "other-compute-dtype", "bias-needs-a-cast"])  # fmt: skip
 def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeypatch):
     """Hooks, a replaced forward, a bias that trains or needs bitsandbytes' in-place cast, fewer rows than its
-    fused-kernel cutoff, a compute dtype other than the weight's, the layer's first call: the layer's own call runs
+    fused-kernel cutoff, a compute dtype other than the weight's: the layer's own call runs
     (none counted): the logits and gradients are those of the same model with the path off, bit for bit, and
     within 1e-4 of PEFT's own QDoRA's (1e-2 where the base computes in bf16)."""
     monkeypatch.setattr(bnb_base, "_ROWS", {})
@@ -253,8 +269,8 @@ def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, threshold, m
     trains through another function, ``MatMul8bitFp``; eval mode takes ``MatMul8bitLt``, the one CUDA trains with) are
     the same bits with flashdora's base result and the layer's own call, at threshold 0 and with an outlier threshold
     (bitsandbytes' mixed product; 2.0 here so that a tiny model's normalized inputs have outlier columns). The
-    layer's first call is its own (it moves its int8 weight into its state); in training mode on the CPU every call
-    is."""
+    layer's first call takes the shortcut too (flashdora moves the int8 weight into the state as the layer's first
+    call does); in training mode on the CPU every call is the layer's own."""
     model, twin = _int8_twins(threshold, peft_bnb=peft_class)
     runs = []
     for fast, m in [(True, model), (False, twin)]:
@@ -270,7 +286,7 @@ def test_int8_base_result_is_the_layers_own_bit_for_bit(peft_class, threshold, m
         out += [layer.state.idx for layer in _int8_bases(m)] if threshold else []
         runs.append(out)
         n_fast = flashdora.stats().get("base:8bit", 0)
-        assert n_fast == (2 * len(_int8_bases(m)) if fast else 0)
+        assert n_fast == (3 * len(_int8_bases(m)) if fast else 0)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert not threshold or any(layer.state.idx.numel() for layer in _int8_bases(model))  # outliers were there
     monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))

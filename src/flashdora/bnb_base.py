@@ -94,8 +94,9 @@ def _free(base, x) -> bool:
 
 def _plan4(base, x):
     """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
-    if not _free(base, x) or not base.compute_type_is_set:
+    if not _tested() or not _free(base, x):
         return None
+    _first_call_4bit(base, x)
     weight = layers.param(base, "weight")
     state = getattr(weight, "quant_state", None)
     rows = _min_rows(x.device.type)
@@ -114,6 +115,30 @@ def _plan4(base, x):
     if packed.is_cuda and layers._native_4bit(packed, state) is None:
         return None  # no C++ dequantization here: nothing to gain
     return (x if cd is None else x.to(cd)), packed, state, bias
+
+
+def _first_call_4bit(base, x) -> None:
+    """What ``Linear4bit.forward`` does to the layer before its product (bitsandbytes 0.50): the quant state put back
+    on the weight, the compute dtype set from the first input. Done here too, so that the layer's first call takes the
+    route every later call takes: a checkpointed forward and its recomputation must save the same tensors."""
+    if getattr(base.weight, "quant_state", None) is None:
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+        fix_4bit_weight_quant_state_from_module(base)
+    if not base.compute_type_is_set:
+        base.set_compute_type(x)
+        base.compute_type_is_set = True
+
+
+def _first_call_8bit(base) -> None:
+    """``Linear8bitLt.forward``'s first-call work (bitsandbytes 0.50): the int8 weight and its scales moved into the
+    layer's state, the weight's data then the state's ``CB``. Done here too, for the reason ``_first_call_4bit``
+    gives."""
+    weight = base.weight
+    if getattr(weight, "CB", None) is not None:
+        base.init_8bit_state()
+        if not base.state.has_fp16_weights and base.state.CB is not None:
+            weight.data = base.state.CB
 
 
 def _held_dense(packed, state) -> torch.Tensor:
@@ -146,6 +171,7 @@ def _plan8(base, x):
     """``(CB, SCB, bias, state)`` where ``result`` takes the 8-bit path, else ``None``."""
     if not _tested() or not _free(base, x) or x.dim() not in (2, 3):
         return None
+    _first_call_8bit(base)
     state, weight = base.state, layers.param(base, "weight")
     cb, scb = state.CB, state.SCB
     if cb is None or scb is None or getattr(weight, "CB", None) is not None or weight.requires_grad:

@@ -35,7 +35,8 @@ from flashdora import backend
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp"]  # (and csrc/launch.h, which both include)
-_module = None
+_module = None  # the built extension, once loaded
+_adopted = None  # the extension the layer path uses: ``_module`` from a point where no forward awaits its backward
 _state = "idle"  # idle -> building -> ready | failed
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -50,9 +51,15 @@ def enabled() -> bool:
 
 
 def module(wait: bool = True):
-    """The built extension, or ``None``: switched off, the build failed, or (``wait=False``) still building. The first
-    call while switched on starts the build or load in a background thread; ``wait=True`` (benchmarks, tests) blocks
-    until it has ended."""
+    """The extension the layer path uses, or ``None``: switched off, the build failed, or (``wait=False``) still
+    building or built but not adopted yet. The first call while switched on starts the build or load in a background
+    thread; ``wait=True`` (benchmarks, tests, the demo) blocks until it has ended and adopts it at once.
+
+    A build that ends mid-step is not used until ``adopt`` runs at a quiet point: a checkpointed forward and its
+    recomputation must take the same route (the C++ path and bitsandbytes' shortcut it enables save other tensors
+    than the layer's own calls). Quiet points: an optimizer step (``torch.optim``'s step post hook), a layer call
+    without grad (inference; reentrant checkpointing's first forward, which saves nothing), and ``module(wait=True)``.
+    """
     global _state, _thread
     if _state == "idle" and enabled():
         with _lock:
@@ -63,12 +70,39 @@ def module(wait: bool = True):
                 # mid-build, torch's build would leave its lock file behind, and every later build on the machine
                 # would wait on that lock for ever. The bound keeps a build stuck on someone else's stale lock from
                 # holding the process for ever in turn.
+                _watch_steps()
                 _thread = threading.Thread(target=_build, name="flashdora-native-build", daemon=True)
                 _thread.start()
                 atexit.register(_wait_at_exit, _thread)
-    if wait and _state == "building":
-        _done.wait()
-    return _module
+    if wait:
+        if _state == "building":
+            _done.wait()
+        adopt()
+    return _adopted
+
+
+def adopt() -> None:
+    """Start using a built extension (a quiet point: no forward of the process awaits its backward)."""
+    global _adopted
+    if _adopted is None and _module is not None and enabled():
+        _adopted = _module
+
+
+def adopt_without_grad() -> None:
+    """``adopt`` from a layer call: only where grad is off (such a call records nothing for a backward)."""
+    if _adopted is None and _module is not None and not torch.is_grad_enabled():
+        adopt()
+
+
+_step_hook = None
+
+
+def _watch_steps() -> None:
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: adopt())
 
 
 EXIT_WAIT_S = 600.0
@@ -125,7 +159,7 @@ def _load():
 
 def reset() -> None:
     """Forget the build (tests): the next ``module()`` loads or builds it again."""
-    global _module, _state, _thread
+    global _module, _adopted, _state, _thread
     if _thread is not None:
         _thread.join()
-    _module, _state, _thread = None, "idle", None
+    _module, _adopted, _state, _thread = None, None, "idle", None

@@ -303,10 +303,13 @@ _native = None  # flashdora.native's extension once loaded (on the first call sw
 
 
 def _load_native():
-    """The extension, or ``False`` for this call: still building in the background (the next call asks again) or
-    its build failed (kept: never asked again)."""
+    """The extension, or ``False`` for this call: still building in the background, built but not adopted yet (a
+    call without grad adopts it: ``native.module``), or its build failed (kept: never asked again)."""
     global _native
     mod = native.module(wait=False)
+    if mod is None:
+        native.adopt_without_grad()
+        mod = native.module(wait=False)
     if mod is not None:
         _native = mod
     elif native.failed():
