@@ -38,10 +38,13 @@ def scaling(fn: str, value) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: scaling expected a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{fn}: scaling expected a finite number, got {value}")
-    return value
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int or Fraction beyond float's range (10**400)
+        raise ValueError(f"{fn}: scaling expected a finite number, got one beyond float's range") from None
+    if not math.isfinite(as_float):
+        raise ValueError(f"{fn}: scaling expected a finite number, got {as_float}")
+    return as_float
 
 
 def positive_int(fn: str, name: str, value) -> int:

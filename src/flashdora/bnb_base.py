@@ -73,14 +73,7 @@ def _plain_module(base) -> bool:
         _FORWARDS[name] = getattr(bnb.nn, name).forward
     if type(base).forward is not _FORWARDS[name] or "forward" in base.__dict__:
         return False
-    if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
-        return False
-    hooks = torch.nn.modules.module  # global hooks (private names, read with a default: none found means "maybe")
-    return not any(getattr(hooks, hook, True) for hook in _GLOBAL_HOOKS)
-
-
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")  # fmt: skip
+    return layers.hooked(base) is None
 
 
 def _free(base, x) -> bool:

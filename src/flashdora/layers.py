@@ -21,6 +21,9 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     mods = module._modules
     base = base_layer(module)
     lora_B_layer = mods["lora_B"]._modules[adapter]
+    hook = hooked_adapter(module, adapter)
+    if hook is not None:
+        return f"hooks:{hook}"
     return reason(
         base, param(base, "weight"), param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
         param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
@@ -43,6 +46,48 @@ def param(module: nn.Module, name: str):
     """``getattr(module, name)`` for a registered parameter, without ``nn.Module.__getattr__``."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name, None)
+
+
+# Process-wide module hooks (``register_module_forward_hook`` and its kind) live in private dicts of
+# ``torch.nn.modules.module``, present in every torch the tests cover; where one is missing, "maybe": every call
+# then runs PEFT's own forward.
+_GLOBAL_HOOKS = tuple(
+    getattr(nn.modules.module, name, {None: None})
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+)  # fmt: skip
+_PLAIN_FORWARDS = {nn.Linear.forward}
+
+
+def global_hooks() -> bool:
+    """Whether a process-wide module hook is registered."""
+    forward, pre, backward, backward_pre = _GLOBAL_HOOKS
+    return bool(forward or pre or backward or backward_pre)
+
+
+def hooked(*modules: nn.Module) -> str | None:
+    """The first of ``modules`` that PEFT's DoRA would call with something flashdora would skip: a forward,
+    pre-forward or backward hook (``weight_norm``'s legacy form is a pre-forward hook), or a forward other than
+    ``nn.Linear``'s (an instance ``forward``, a subclass). Its ``_get_name()``, ``"global"`` for a process-wide
+    hook, else ``None``. flashdora reads these modules' weights instead of calling them."""
+    for module in modules:
+        if (
+            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks or "forward" in module.__dict__
+        ):  # fmt: skip
+            return module._get_name()
+    return "global" if global_hooks() else None
+
+
+def hooked_adapter(module: nn.Module, adapter: str) -> str | None:
+    """``hooked`` for the ``lora_A``, ``lora_B`` and magnitude modules of ``module``'s ``adapter``; lora_A's and
+    lora_B's class must run ``nn.Linear``'s forward."""
+    mods = module._modules
+    lora_A, lora_B = mods["lora_A"]._modules[adapter], mods["lora_B"]._modules[adapter]
+    for layer in (lora_A, lora_B):
+        if type(layer).forward not in _PLAIN_FORWARDS:
+            return layer._get_name()
+    return hooked(lora_A, lora_B, mods["lora_magnitude_vector"]._modules[adapter])
 
 
 _BNB_LAYERS = ("Linear4bit", "Linear8bitLt")  # bitsandbytes' quantized layers (QDoRA): class names, no bnb import

@@ -25,6 +25,7 @@ from torch import nn
 from flashdora import backend, peft_layers, watch
 from flashdora.layers import base_layer as _base_layer
 from flashdora.layers import dequantized as _dequantized
+from flashdora.layers import hooked_adapter
 from flashdora.layers import is_bnb as _bnb
 from flashdora.layers import param as _param
 from flashdora.layers import reason as _reason
@@ -78,6 +79,8 @@ def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, resul
     owner = mods["lora_magnitude_vector"]._modules[active_adapter]
     magnitude = _param(owner, "weight")
     reason = _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
+    if reason is None and (hook := hooked_adapter(module, active_adapter)) is not None:
+        reason = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights
     if reason is None and backend.functorch_active():
         reason = "torch.func"  # grad/vmap/jvp: PEFT's plain torch ops compose with every transform
     if x.is_meta or weight.is_meta:  # shapes only (meta-device initialisation): PEFT's ops, uncounted as a fallback

@@ -23,6 +23,7 @@ from torch import nn
 
 from flashdora import bnb_base
 from flashdora import peft_integration as _pi  # (a cycle: read at call time)
+from flashdora.layers import hooked_adapter
 from flashdora.layers import is_bnb as _bnb
 from flashdora.layers import param as _param
 from flashdora.ops.compose import after_base
@@ -63,8 +64,8 @@ def cast_input_dtype(self, x, dtype: torch.dtype):
                 if adapter in self._modules["lora_A"]._modules:
                     break  # a vanilla LoRA adapter: PEFT's own path
                 continue
-            if not _pi._runs_flashdora(type(variants_[adapter])):
-                break
+            if not _pi._runs_flashdora(type(variants_[adapter])) or hooked_adapter(self, adapter) is not None:
+                break  # (a layer with hooks on its adapter modules runs PEFT's forward, on PEFT's input)
             if training and not isinstance(dropouts[adapter], nn.Identity) and _pi.dropout_mode(self) != "adapter":
                 break
         else:

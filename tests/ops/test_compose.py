@@ -309,6 +309,7 @@ def _args(**change):
         (dict(x=torch.randn(3, 8).double()), TypeError, "x expected dtype torch.float32"),
         (dict(magnitude=torch.ones(6, dtype=torch.int64)), TypeError, "magnitude expected a floating dtype"),
         (dict(scaling=float("inf")), ValueError, "scaling expected a finite number, got inf"),
+        (dict(scaling=10**400), ValueError, "scaling expected a finite number, got one beyond float's range"),
         (dict(magnitude=torch.rand(6, device="meta")), ValueError, "magnitude expected device cpu"),
         (dict(bias=torch.randn(6).double()), TypeError, r"bias expected dtype torch.float32 \(the dtype of weight"),
     ],

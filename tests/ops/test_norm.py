@@ -113,6 +113,7 @@ def test_norm_counts_its_path(monkeypatch):
         (dict(weight=torch.ones(6, 8, dtype=torch.int32)), TypeError, "weight expected a floating dtype"),
         (dict(lora_A=[[1.0]]), TypeError, "lora_A expected a torch.Tensor"),
         (dict(scaling=float("nan")), ValueError, "scaling expected a finite number, got nan"),
+        (dict(scaling=10**400), ValueError, "scaling expected a finite number, got one beyond float's range"),
         (dict(scaling="2"), TypeError, "scaling expected a real number"),
         (dict(chunk_size=0), ValueError, "chunk_size expected a positive integer"),
         (dict(lora_A=torch.randn(4, 8, device="meta")), ValueError, "lora_A expected device cpu"),
