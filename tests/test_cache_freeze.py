@@ -133,7 +133,8 @@ def test_a_base_frozen_throughout_computes_its_square_once(in_optimizer, make_op
     """The normal PEFT case: ``||W||^2`` once per layer over many steps, also when the frozen base is handed to the
     optimizer (``AdamW(model.parameters())``), while the norm is recomputed after each step."""
     model = _model()
-    opt = make_optimizer(list(model.parameters()) if in_optimizer else [p for p in model.parameters() if p.requires_grad])
+    params = list(model.parameters())
+    opt = make_optimizer(params if in_optimizer else [p for p in params if p.requires_grad])
     flashdora.reset_stats()
     for step in range(3):
         ids = _ids(10 + step)
