@@ -52,27 +52,30 @@ def _mlp_pair():
     return flashdora.enable(copy.deepcopy(twin)), twin
 
 
-def test_a_norm_made_on_a_side_stream_is_waited_for_on_another():
-    """The miss runs on a side stream behind slow work; the hit on the default stream, without any synchronisation
-    by the user, must not read the norm before it is written (poisoned memory shows it if it does)."""
+@pytest.mark.parametrize("made_on_side", [True, False], ids=["side-to-default", "default-to-side"])
+def test_a_norm_made_on_one_stream_is_waited_for_on_another(made_on_side):
+    """The miss runs on one stream behind slow work; the hit on another, without any synchronisation by the user,
+    must not read the norm before it is written (poisoned memory shows it if it does)."""
     model, _ = _mlp_pair()
     model.eval()
     x = torch.randn(16, 64, device="cuda")
     big = torch.randn(4096, 4096, device="cuda")
+    side = torch.cuda.Stream()
+    producer, consumer = (side, torch.cuda.current_stream()) if made_on_side else (torch.cuda.current_stream(), side)
     with torch.no_grad():
         fresh = model(x)  # also tunes the kernels now: no host synchronisation in the misses below
         model(x)
         flashdora.invalidate(model)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):
             poison = [torch.full((4096,), float("nan"), device="cuda") for _ in range(256)]
-            del poison  # the side stream's next small blocks hold NaN
-            for _ in range(20):  # the norm lands well after the default stream's next forward is queued
+            del poison  # the producer's next small blocks hold NaN
+            for _ in range(20):  # the norm lands well after the other stream's forward is queued
                 big = big @ big / 64
-            model(x)  # misses: the norms are made on the side stream
+            model(x)  # misses: the norms are made on the producer stream
         flashdora.reset_stats()
-        out = model(x)  # hits, on the default stream
+        with torch.cuda.stream(consumer):
+            out = model(x)  # hits
         assert flashdora.stats().get("norm:cached") == 2, flashdora.stats()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, fresh, rtol=1e-6, atol=1e-6)

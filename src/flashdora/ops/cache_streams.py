@@ -50,7 +50,8 @@ def made_on(t: torch.Tensor) -> tuple[int, set] | tuple[int, None]:
 def join(device: int, streams: set, tensors) -> None:
     """Order an entry made on ``streams`` before the current stream's work from now on (module docstring)."""
     now = torch.cuda.current_stream(device)
-    producer = torch.cuda.ExternalStream(next(iter(streams)), device=device)
+    handle, default = next(iter(streams)), torch.cuda.default_stream(device)
+    producer = default if handle == default.cuda_stream else torch.cuda.ExternalStream(handle, device=device)
     now.wait_event(producer.record_event())
     for t in tensors:
         t.record_stream(now)
