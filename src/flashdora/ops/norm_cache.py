@@ -19,8 +19,16 @@ sharded with FSDP2 (which re-fills the same unsharded storage on every all-gathe
 through an alias that has its own version counter (``p.data.copy_``, numpy or storage aliases, DLPack), outside the
 events above; ``flashdora.invalidate()`` after such a write.
 
-No entry holds more than O(d_out) floats; nothing is captured or overwritten in place (no CUDA graphs), so a result
-handed out stays valid for as long as anyone holds it. Entries live on PEFT's per-adapter magnitude module (the
+``||W||^2`` is kept across optimizer steps, so that a frozen base computes it once: its key holds W's key and the
+events, and instead of the step count the last step that may have written W. Each step stamps its number on the
+storage of every parameter it may write (those with a gradient or that require one: ``torch.optim`` skips the
+others), whatever ``requires_grad`` says later; so freezing, unfreezing and any optimizer in any order never serve a
+stale ``||W||^2``. The norm's and the scales' keys hold the step count itself.
+
+No entry holds more than O(d_out) floats; nothing is overwritten in place, so a result handed out stays valid for as
+long as anyone holds it. On CUDA an entry is served on other streams only after they wait for it, never inside a
+CUDA graph being captured, and nothing is stored while a graph (or cudagraph trees' warm-up) allocates from its
+private pool: the rules are in ``ops/cache_streams.py``. Entries live on PEFT's per-adapter magnitude module (the
 "owner") and die with it; copies and pickles of a model start empty.
 """
 
@@ -33,10 +41,12 @@ import torch
 
 from flashdora import backend
 from flashdora.layers import dequantized
+from flashdora.ops.cache_streams import capturing, in_tree_pool, join, made_on, stream_now
 from flashdora.ops.norm import fresh, scales_on, weight_sq
 
 _steps = 0  # torch.optim steps taken in this process
 _events = 0  # other writes the version counters miss (module docstring)
+_unstamped = 0  # the last step that may have written a parameter whose storage could not be stamped
 
 _storage_numbers = itertools.count(1)
 
@@ -69,8 +79,18 @@ def invalidate(model: torch.nn.Module | None = None) -> None:
 
 
 def _count_step(optimizer, args, kwargs) -> None:
-    global _steps
+    """Count the step, and stamp it on the storage of each parameter it may have written: those with a gradient or
+    that require one (fused optimizers write without moving version counters; ``_last_step`` reads the stamp)."""
+    global _steps, _unstamped
     _steps += 1
+    step = _steps
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None or p.requires_grad:
+                try:  # (an FSDP2 parameter is a DTensor: its local shard holds the storage)
+                    getattr(p, "_local_tensor", p).untyped_storage()._flashdora_step = step
+                except (RuntimeError, NotImplementedError, TypeError):  # no storage: a write to every weight
+                    _unstamped = step
 
 
 _hook_handle = None
@@ -96,6 +116,14 @@ def _storage_number(t) -> int:
     if n is None:
         n = s._flashdora_number = next(_storage_numbers)
     return n
+
+
+def _last_step(t) -> int:
+    """The last optimizer step that may have written ``t``'s values (``_count_step``; an FSDP2 parameter's: its
+    shard's), 0 if none has."""
+    tag = getattr(t, "_flashdora_shard", None) or getattr(t._base, "_flashdora_shard", None)  # (``_key``)
+    storage = (t if tag is None else tag[1]).untyped_storage()
+    return max(getattr(storage, "_flashdora_step", 0), _unstamped)
 
 
 def _key(t) -> tuple | None:
@@ -160,13 +188,14 @@ class NormCache:
 
     @classmethod
     def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
-        """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate."""
+        """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate; as the
+        compiled op calls it (nothing stored during a cudagraph trees warm-up: ``cache_streams``)."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 else None
-        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner)
+        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner, compiled=True)
 
     @classmethod
     def lookup_owner(
-        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None
+        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None, compiled=False
     ) -> torch.Tensor:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
@@ -188,9 +217,14 @@ class NormCache:
             cache = owner.__dict__["_flashdora_cache"] = _Entries()
         key = (w_key, a_key, b_key, scaling, _steps, _events)
         full_key = (key, m_key)
-        if cache.get("scales_key") == full_key:
+        if cache.get("scales_key") == full_key and (cache["streams"] is None or _usable(cache)):
             backend.count("norm:cached")
             return cache["scales"]
+        if weight.is_cuda and (in_tree_pool(weight.get_device()) if compiled else capturing()):
+            # inside a CUDA graph (or allocating to its pool): computed where it runs, kept nowhere (cache_streams)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+        if cache.get("streams") is not None:
+            _usable(cache)  # a miss may reuse the entry's ||W||^2 or norm
         # Entries are made outside autograd (the inputs may be parameters) and outside inference mode (an inference
         # tensor kept here could not be saved for a later training step's backward).
         grad = torch.is_grad_enabled()
@@ -208,6 +242,17 @@ class NormCache:
         owner.__dict__.pop("_flashdora_cache", None)
 
 
+def _usable(cache) -> bool:
+    """Whether a CUDA entry may be used on the current stream (not while a graph is captured), after making that
+    stream wait for the entry where it was made on another one (``cache_streams``)."""
+    if capturing():
+        return False
+    streams, device = cache["streams"], cache["device"]
+    if stream_now(device) not in streams:
+        join(device, streams, [cache[name] for name in ("w_sq", "norm", "scales") if name in cache])
+    return True
+
+
 def _update(
     cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None
 ) -> torch.Tensor:
@@ -215,8 +260,8 @@ def _update(
         backend.count("norm:cached")
         cache["scales"] = scales_on(magnitude, cache["norm"], backend.use_triton(lora_A, lora_B, magnitude))
     else:
-        # ||W||^2 once per version of W: a frozen base's survives optimizer steps (W is not among their params)
-        w_key = (key[0], _events, _steps if weight.requires_grad else 0)
+        # ||W||^2 once per version of W: a frozen base's survives optimizer steps that did not touch it
+        w_key = (key[0], _events, _last_step(weight))
         new_sq = cache.get("w_sq_key") != w_key
         if quantized is None:
             triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
@@ -228,6 +273,7 @@ def _update(
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
         cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
         cache["norm_key"] = key
+    cache["device"], cache["streams"] = made_on(magnitude)  # (before the key that lets a hit read them)
     cache["scales_key"] = full_key
     return cache["scales"]
 

@@ -1,0 +1,147 @@
+"""A base weight that is trained, frozen and unfrozen in any order never gets a stale ``||W||^2`` from the norm cache.
+
+The cache keeps ``||W||^2`` across optimizer steps so that a frozen base computes it once. Fused optimizers write
+parameters without moving their version counters, so what tells the cache that a step wrote W is the step's stamp
+on W's storage (``norm_cache._count_step``), never ``requires_grad`` at the time of the forward. Each scenario ends
+with the enabled model's output compared with itself with the cache off and with PEFT on the same weights.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import flashdora
+from flashdora.demo import build_peft_model
+from flashdora.ops import norm_cache
+from tests.ops.test_norm_cache import _ids, _logits_without_cache
+
+N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections
+
+
+class DataSGD(torch.optim.Optimizer):
+    """SGD that writes through ``p.data``: the version counter stays where it was, as after a fused kernel's write."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=0.05, fused=True)
+
+
+OPTIMIZERS = [
+    pytest.param(_fused_adamw, id="fused-adamw"),
+    pytest.param(lambda params: DataSGD(params, lr=5.0), id="data-sgd"),
+]
+
+
+def _model():
+    model = build_peft_model("tiny", 4, 0.0, "cpu", seed=4)
+    model.base_model.model.config.use_cache = False
+    return flashdora.enable(model)
+
+
+def _bases(model):
+    """The base weights of the DoRA layers."""
+    return [m.get_base_layer().weight for m in model.modules() if hasattr(m, "lora_magnitude_vector")]
+
+
+def _set_trainable(params, trainable: bool):
+    for p in params:
+        p.requires_grad_(trainable)
+
+
+def _forward(model, ids, backward):
+    model.train()
+    out = model(input_ids=ids, labels=ids)
+    if backward:
+        out.loss.backward()
+
+
+def _check(model, ids, monkeypatch, what):
+    """The enabled model's output equals its output without the cache and PEFT's on the same weights."""
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+        peft_out = flashdora.disable(copy.deepcopy(model))(input_ids=ids).logits
+    fresh = _logits_without_cache(model, ids, monkeypatch)
+    torch.testing.assert_close(out, fresh, rtol=1e-6, atol=1e-6, msg=f"cached vs no cache, {what}")
+    torch.testing.assert_close(out, peft_out, rtol=1e-5, atol=1e-5, msg=f"vs PEFT, {what}")
+
+
+def _train_then_freeze(model, opt, bases, ids):
+    """W trainable in the forward, stepped, then frozen (``_steps`` at 0: the process's first step)."""
+    _set_trainable(bases, True)
+    _forward(model, ids, backward=True)
+    opt.step()
+    _set_trainable(bases, False)
+
+
+def _freeze_before_step(model, opt, bases, ids):
+    """A forward with W frozen, one with W trainable, then W frozen again before the step (its gradient stays, so the
+    step writes it: a weight in the optimizer with ``requires_grad`` off)."""
+    _forward(model, ids, backward=False)
+    _set_trainable(bases, True)
+    _forward(model, ids, backward=True)
+    _set_trainable(bases, False)
+    opt.step()
+
+
+def _step_between_forwards(model, opt, bases, ids):
+    """Unfreeze, step (a gradient from elsewhere), freeze, with no forward between."""
+    _forward(model, ids, backward=False)
+    _set_trainable(bases, True)
+    for i, p in enumerate(bases):
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    opt.step()
+    _set_trainable(bases, False)
+
+
+SCENARIOS = [
+    pytest.param(_train_then_freeze, id="train-then-freeze"),
+    pytest.param(_freeze_before_step, id="freeze-before-step"),
+    pytest.param(_step_between_forwards, id="unfreeze-step-freeze"),
+]
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_a_base_weight_stepped_and_frozen_is_never_stale(scenario, make_optimizer, monkeypatch):
+    monkeypatch.setattr(norm_cache, "_steps", 0)
+    model = _model()
+    bases = _bases(model)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad] + bases)
+    ids = _ids(1)
+    before = [(p.detach().clone(), p._version) for p in bases]
+    scenario(model, opt, bases, ids)
+    for p, (values, version) in zip(bases, before):
+        assert not torch.equal(p, values) and p._version == version  # the step wrote W, behind its version counter
+    _check(model, ids, monkeypatch, scenario.__name__)
+
+
+@pytest.mark.parametrize("make_optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("in_optimizer", [True, False], ids=["base-in-optimizer", "base-not-in-optimizer"])
+def test_a_base_frozen_throughout_computes_its_square_once(in_optimizer, make_optimizer, monkeypatch):
+    """The normal PEFT case: ``||W||^2`` once per layer over many steps, also when the frozen base is handed to the
+    optimizer (``AdamW(model.parameters())``), while the norm is recomputed after each step."""
+    model = _model()
+    params = list(model.parameters())
+    opt = make_optimizer(params if in_optimizer else [p for p in params if p.requires_grad])
+    flashdora.reset_stats()
+    for step in range(3):
+        ids = _ids(10 + step)
+        _forward(model, ids, backward=True)
+        opt.step()
+        opt.zero_grad()
+        _check(model, ids, monkeypatch, f"step {step}")
+    counts = flashdora.stats()
+    assert counts["norm:base_sq"] == N_LAYERS, counts
+    assert counts["norm:eager"] >= 4 * N_LAYERS, counts  # a norm per step (and the uncached twins' own)
