@@ -17,6 +17,7 @@ QUICK = [
     "tests/test_backend.py",  # FLASHDORA_BACKEND
     "tests/test_cli.py",  # flashdora demo and the option checks
     "tests/test_examples.py::test_readme_quick_start_runs_as_written",
+    "tests/test_docs.py",  # the README's and docs' links and linked numbers
     "tests/test_quick_subset.py",
 ]
 
