@@ -24,4 +24,6 @@ QUICK = [
 
 def is_quick(nodeid: str) -> bool:
     """Whether a pytest node id (``tests/x.py::test_y[param]``) falls under an entry of ``QUICK``."""
-    return any(nodeid == q or nodeid.startswith((q + "::", q + "[")) or ("[" in q and nodeid.startswith(q)) for q in QUICK)
+    return any(
+        nodeid == q or nodeid.startswith((q + "::", q + "[")) or ("[" in q and nodeid.startswith(q)) for q in QUICK
+    )
