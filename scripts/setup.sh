@@ -39,8 +39,8 @@ print(sys.version)"
 STAMP="$VENV/.flashdora-setup"
 ready() {  # the stamp of $1 matches and flashdora imports from this checkout
   [ -f "$STAMP.$1" ] && [ "$(cat "$STAMP.$1")" = "$(stamp_key)" ] &&
-    "$VENV/bin/python" -W ignore -c "import flashdora, sys; sys.exit(not flashdora.__file__.startswith('$PWD/'))" \
-      2>/dev/null
+    "$VENV/bin/python" -W ignore -c "import flashdora, os, sys; here = os.path.realpath(sys.argv[1]) + os.sep
+sys.exit(not os.path.realpath(flashdora.__file__).startswith(here))" "$PWD" 2>/dev/null
 }
 if ready "$JOB" || { [ "$JOB" = demo ] && ready test; }; then
   echo "setup.sh: $VENV already has what '$JOB' needs (pyproject.toml, $PINS and torch unchanged); pip skipped"
