@@ -5,6 +5,7 @@
 # Keeps a torch that is already installed (e.g. a CUDA build); otherwise installs the CPU build torch==2.13.0, never
 # letting pip pull a CUDA torch. peft and transformers are pinned by scripts/constraints.txt (the newest supported);
 # VENV=.venv-oldest CONSTRAINTS=scripts/constraints-oldest.txt builds one with the oldest (scripts/test_oldest.sh).
+# A second run with nothing changed skips pip (a stamp in the venv; see below) and takes a few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB=${1:-test}
@@ -23,6 +24,29 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi
 fi
+# A stamp per job records what the last successful install was made from: this checkout's path, pyproject.toml, the
+# pins, and the torch and Triton installed. When it matches, the venv already satisfies them and pip is skipped (the
+# install is editable: source changes need none). A `test` venv also serves the demo (its extras include `cli`).
+stamp_key() {
+  { pwd; cat pyproject.toml "$PINS"
+    "$VENV/bin/python" -c "import importlib.metadata as m, sys
+for name in ('torch', 'triton'):
+    try: print(name, m.version(name))
+    except m.PackageNotFoundError: print(name, None)
+print(sys.version)"
+  } | sha256sum | cut -d' ' -f1
+}
+STAMP="$VENV/.flashdora-setup"
+ready() {  # the stamp of $1 matches and flashdora imports from this checkout
+  [ -f "$STAMP.$1" ] && [ "$(cat "$STAMP.$1")" = "$(stamp_key)" ] &&
+    "$VENV/bin/python" -W ignore -c "import flashdora, os, sys; here = os.path.realpath(sys.argv[1]) + os.sep
+sys.exit(not os.path.realpath(flashdora.__file__).startswith(here))" "$PWD" 2>/dev/null
+}
+if ready "$JOB" || { [ "$JOB" = demo ] && ready test; }; then
+  echo "setup.sh: $VENV already has what '$JOB' needs (pyproject.toml, $PINS and torch unchanged); pip skipped"
+  exit 0
+fi
+rm -f "$STAMP.$JOB"
 # pip, without the local-index notices some machines print for every package ("Location ... is ignored")
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
 if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
@@ -47,3 +71,4 @@ fi
 pip install -c "$CONSTRAINTS_FILE" -c "$PINS" -e ".[$extras]"
 "$VENV/bin/python" -W ignore -c \
   "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
+stamp_key >"$STAMP.$JOB"

@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # The test suite: set up ./.venv with the test extras, then pytest (Triton kernels run in the interpreter on
 # machines without CUDA). Runs against the newest supported peft and transformers (scripts/constraints.txt).
+#   bash scripts/test.sh            the whole suite (about 40 minutes on 2 CPU cores)
+#   bash scripts/test.sh --quick    the `quick` subset: every public function and the demo, in a few minutes
+# Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
-exec .venv/bin/python -m pytest -q "$@"
+VENV=${VENV:-.venv}
+VENV=$VENV bash scripts/setup.sh test
+if [ "${1:-}" = --quick ]; then
+  shift
+  set -- -m quick "$@"
+fi
+exec "$VENV/bin/python" -m pytest -q "$@"

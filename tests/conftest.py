@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.quick import is_quick  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA (run `pytest -m gpu` on a GPU machine)")
@@ -25,6 +27,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if "gpu2" in item.keywords and torch.cuda.device_count() < 2:
             item.add_marker(skip2)
+        if is_quick(item.nodeid):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(autouse=True)

@@ -23,14 +23,14 @@ def test_model_files_and_schema(tmp_path):
     assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
-        assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 384, 16)
+        assert (r["preset"], r["rank"], r["tokens"]) == ("tiny", 16, 16)  # the preset's rank: hidden size 64 / 4
         assert "error" not in r, r
         assert r["ms"] > 0 and r["peak_extra_gib"] is None
         assert r["warmup_s"] > 0  # the one warm-up step's wall time
         assert 0 < r["first_ms"] <= r["warmup_s"] * 1e3  # the first step is the warm-up's
     assert all(r["paths"] for r in records if r["mode"] == "flashdora")
     assert result["config"]["num_hidden_layers"] == 2
-    assert "| tiny | grad | flashdora | 384 | 16 |" in files[".md"].read_text()
+    assert "| tiny | grad | flashdora | 16 | 16 |" in files[".md"].read_text()
 
 
 def test_model_rounds_pool_every_rounds_steps(tmp_path, monkeypatch):

@@ -87,8 +87,21 @@ def test_bad_options_fail_at_once_naming_the_option(argv, message, capsys, no_co
     with pytest.raises(UsageError, match=message) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: flashdora") and "error: " + exit_info.value.message in err
+    # the error first, then where the options are; not the usage block
+    first, pointer = capsys.readouterr().err.splitlines()
+    assert first.startswith("flashdora ") and first.endswith(": error: " + exit_info.value.message)
+    assert pointer == f"(options: {first.split(': error: ')[0]} --help)"
+
+
+def test_an_unknown_option_from_the_shell_prints_two_lines():
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashdora.cli", "bench", "model", "--bogus"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "flashdora bench model: error: unrecognized arguments: --bogus",
+        "(options: flashdora bench model --help)",
+    ]
 
 
 @pytest.mark.parametrize("command", [["demo"], ["parity"], ["bench", "layer"], ["bench", "model"]], ids=" ".join)
@@ -99,7 +112,7 @@ def test_cuda_device_without_cuda_fails_at_once(command, monkeypatch, capsys, no
     assert exit_info.value.code == 2
     expected = "--device cuda: CUDA is not available on this machine (torch.cuda.is_available() is False)"
     assert exit_info.value.message == expected
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {expected}")
+    assert capsys.readouterr().err.splitlines()[0].endswith(f"error: {expected}")
 
 
 def test_cuda_index_beyond_the_machines_devices(monkeypatch, no_command_runs):
@@ -119,13 +132,13 @@ def test_device_defaults_to_cuda_when_available(monkeypatch):
 
 
 def test_cuda_device_without_cuda_from_the_shell():
-    """The user's view: exit code 2, no traceback, and a last line that names the option."""
+    """The user's view: exit code 2, no traceback, and a first line that names the option."""
     code = "import sys, torch; torch.cuda.is_available = lambda: False; import flashdora.cli as c; sys.exit(c.main())"
     proc = subprocess.run(
         [sys.executable, "-c", code, "bench", "model", "--device", "cuda"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == (
+    assert proc.stderr.splitlines()[0] == (
         "flashdora bench model: error: --device cuda: CUDA is not available on this machine "
         "(torch.cuda.is_available() is False)"
     )
@@ -141,3 +154,19 @@ def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, no_comm
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UsageError, match=r"flashdora demo needs rich: pip install 'flashdora\[cli\]'"):
         main(["demo", "--device", "cpu"])
+
+
+def test_bench_on_the_cpu_says_so_first_and_announces_the_result_folder(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "_run", lambda args: 0)  # the announcement comes before any work
+    assert main(["bench", "model", "--preset", "tiny", "--out", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "flashdora bench model: running on the CPU (no CUDA device found; --device cuda on a GPU machine): "
+        "timings are not GPU numbers"
+    )
+    assert lines[1] == f"flashdora bench model: result files go to {(tmp_path / 'r').resolve()}/"
+    assert main(["bench", "layer", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("flashdora bench layer: running on the CPU (--device cpu)")
+    assert main(["demo", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == ""  # the demo writes no files and says on its own where it ran

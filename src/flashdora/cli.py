@@ -76,9 +76,13 @@ class UsageError(SystemExit):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        """The error on the first line and a pointer to ``--help`` on the second, instead of the usage block."""
+        print(f"{self.prog}: error: {message}\n{help_pointer(self.prog)}", file=sys.stderr)
         raise UsageError(message)
+
+
+def help_pointer(prog: str) -> str:
+    return f"(options: {prog} --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,10 +195,23 @@ def check(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported by the command's own parser, so the pointer names its --help
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    device_given = getattr(args, "device", None) is not None
     check(args)
     args._argv = ["flashdora", *argv]  # the exact command, for result files
+    announce(args, device_given)
     return _run(args)
+
+
+def announce(args: argparse.Namespace, device_given: bool) -> None:
+    """Before any work: a benchmark on the CPU says so first, and a command that writes result files says where."""
+    if args._command.startswith("bench") and getattr(args, "device", None) == "cpu":
+        how = "--device cpu" if device_given else "no CUDA device found; --device cuda on a GPU machine"
+        print(f"flashdora {args._command}: running on the CPU ({how}): timings are not GPU numbers", flush=True)
+    if getattr(args, "out", None) is not None:
+        print(f"flashdora {args._command}: result files go to {Path(args.out).resolve()}/", flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -221,7 +221,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
     p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
-    p.add_argument("--rank", type=int, default=384, help="LoRA rank; lora_alpha = rank (default: %(default)s)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="LoRA rank; lora_alpha = rank (default: the model's hidden size / 4, at most 384: 16 for tiny, 384 for "
+        "the others)",
+    )
     p.add_argument(
         "--modes",
         nargs="+",

@@ -32,6 +32,7 @@ from flashdora.layers import reason as _reason
 from flashdora.layers import unsupported_reason
 from flashdora.ops.compose import compose, compose_eager
 from flashdora.ops.norm_cache import NormCache, dora_scales
+from flashdora.peft_enable_check import warn_if_nothing_to_enable
 from flashdora.watch import watch_writes
 
 _PEFT_DORA = variants.DoraLinearVariant
@@ -249,6 +250,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
     peft_layers.swap_linear_class(model, True)
     watch_writes(model, True)
     watch.watch_fsdp()
+    warn_if_nothing_to_enable(model)  # one UserWarning naming what it found when no layer has use_dora=True
     return model
 
 

@@ -111,6 +111,11 @@ def build_config(args) -> tuple[str, transformers.PretrainedConfig]:
     return name, config
 
 
+def default_rank(config) -> int:
+    """A rank that fits the shapes: a quarter of the hidden size, at most 384 (the 8B headline's rank)."""
+    return max(1, min(384, config.hidden_size // 4))
+
+
 def build_base(config, args, device) -> torch.nn.Module:
     """The frozen bf16 model on ``device`` (``--quant``: its projections quantized), ready to wrap (``prepare``)."""
     return prepare(build_weights(config, args, device), args)
@@ -240,7 +245,7 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
         peft_model = wrap(model, args, use_dora)
         build_s.setdefault("peft_dora" if use_dora else "peft_lora", time.perf_counter() - t0)
         for mode in modes:
-            if mode == "peft_dora":
+            if mode in ("peft_dora", "peft_lora"):  # PEFT's own code (enable has nothing to switch on LoRA)
                 flashdora.disable(peft_model)
             else:
                 dropout = "adapter" if mode == "flashdora_adapter" else "exact"
@@ -301,6 +306,8 @@ def run(args) -> int:
 
     device = torch.device(args.device)  # options checked by flashdora.cli.check
     name, config = build_config(args)
+    if args.rank is None:
+        args.rank = default_rank(config)
     protocol = {
         "warmup": args.warmup,
         "reps": args.reps,

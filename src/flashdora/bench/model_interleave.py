@@ -44,7 +44,7 @@ def build_models(weights, args, build_s: dict) -> dict[str, torch.nn.Module]:
         model = prepare(weights if i == len(args.modes) - 1 else copy.deepcopy(weights), args)
         if mode != "base":
             model = wrap(model, args, use_dora=mode != "peft_lora")
-            if mode != "peft_dora":
+            if mode not in ("peft_dora", "peft_lora"):  # PEFT's own code (enable has nothing to switch on LoRA)
                 dropout = "adapter" if mode == "flashdora_adapter" else "exact"
                 flashdora.enable(model, norm_cache=mode != "flashdora_nocache", dropout=dropout)
         models[mode] = model
