@@ -45,7 +45,12 @@ def _masks(model, autocast, device):
 @pytest.mark.parametrize("autocast", [False, True], ids=["no-autocast", "autocast"])
 @pytest.mark.parametrize("peft_bnb", [False, True], ids=["peft-linear", "peft-bnb-class"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_dropout_masks_on_a_4bit_base_are_pefts(device, peft_bnb, autocast):
+def test_dropout_masks_on_a_4bit_base_are_pefts(device, peft_bnb, autocast, request):
+    if device == "cuda" and peft_bnb and autocast:
+        # PEFT's lora.bnb layers return float32 under CUDA autocast (the residual stream turns float32); flashdora
+        # keeps the layer's dtype (docs/design.md), so later layers' dropout sees bf16 where PEFT's sees float32
+        # (seen on an H200: the 5th dropout's input). README, "Dropout", says so.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="PEFT's float32 residual stream under autocast"))
     model = _bf16_qdora(peft_bnb, device)
     peft = copy.deepcopy(model)
     flashdora.enable(model)

@@ -60,9 +60,12 @@ _PLAIN_FORWARDS = {nn.Linear.forward}
 
 
 def global_hooks() -> bool:
-    """Whether a process-wide module hook is registered."""
+    """Whether a process-wide module hook is registered, other than flashdora's own (``watch``'s FSDP2 pre-hook,
+    marked ``_flashdora_own``: it needs no adapter module called)."""
     forward, pre, backward, backward_pre = _GLOBAL_HOOKS
-    return bool(forward or pre or backward or backward_pre)
+    if pre and not all(getattr(hook, "_flashdora_own", False) for hook in pre.values()):
+        return True
+    return bool(forward or backward or backward_pre)
 
 
 def hooked(*modules: nn.Module) -> str | None:

@@ -89,6 +89,7 @@ def watch_fsdp() -> None:
         if isinstance(module, fsdp):
             _take_shards(module, fsdp, DTensor)
 
+    before_fsdp._flashdora_own = True  # (not a user's hook: layers.global_hooks skips it)
     fsdp_hook = nn.modules.module.register_module_forward_pre_hook(before_fsdp)
 
 
