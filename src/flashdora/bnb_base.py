@@ -114,7 +114,7 @@ def _first_call_4bit(base, x) -> None:
     """What ``Linear4bit.forward`` does to the layer before its product (bitsandbytes 0.50): the quant state put back
     on the weight, the compute dtype set from the first input. Done here too, so that the layer's first call takes the
     route every later call takes: a checkpointed forward and its recomputation must save the same tensors."""
-    if getattr(base.weight, "quant_state", None) is None:
+    if getattr(layers.param(base, "weight"), "quant_state", None) is None:
         from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
         fix_4bit_weight_quant_state_from_module(base)
@@ -127,7 +127,7 @@ def _first_call_8bit(base) -> None:
     """``Linear8bitLt.forward``'s first-call work (bitsandbytes 0.50): the int8 weight and its scales moved into the
     layer's state, the weight's data then the state's ``CB``. Done here too, for the reason ``_first_call_4bit``
     gives."""
-    weight = base.weight
+    weight = layers.param(base, "weight")
     if getattr(weight, "CB", None) is not None:
         base.init_8bit_state()
         if not base.state.has_fp16_weights and base.state.CB is not None:
