@@ -154,31 +154,33 @@ def test_reduce_overhead_compile_inference_tracks_the_weights():
 
 
 def test_reduce_overhead_compile_trains_like_peft():
-    """At every step the PEFT twin loads the model's weights, and the compiled training step's loss and gradients
-    equal PEFT's on them; fused AdamW steps the model between (a replay that kept an old norm would show)."""
+    """At every step PEFT's bf16 twin and a float64 copy load the model's weights; the compiled training step's loss
+    and gradients are no further from the float64 ones than PEFT's own bf16 step is (at most 2x, flash-attention's
+    rule), so bf16 noise sets the bar; fused AdamW steps the model between (a replay that kept an old norm would be
+    off by far more)."""
     model, twin = _bf16_pair()
-    model.train(), twin.train()
+    ref = copy.deepcopy(twin).double()
+    model.train(), twin.train(), ref.train()
     compiled = torch.compile(model, mode="reduce-overhead")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, fused=True)
     for step in range(4):
-        twin.load_state_dict(model.state_dict())
+        twin.load_state_dict(model.state_dict()), ref.load_state_dict(model.state_dict())
         ids = _ids(20 + step).cuda()
         losses, grads = [], []
-        for fn, m in ((compiled, model), (twin, twin)):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+        for fn, m, autocast in ((compiled, model, True), (twin, twin, True), (ref, ref, False)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = fn(input_ids=ids, labels=ids).loss
             loss.backward()
-            losses.append(loss.detach().float().item())
+            losses.append(loss.detach().double().item())
             grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-        assert abs(losses[0] - losses[1]) <= 1e-2 * abs(losses[1]), (step, losses)
-        assert grads[0].keys() == grads[1].keys() and any("magnitude" in n for n in grads[0])
-        names = sorted(grads[1])
-        every = [torch.cat([g[n].flatten() for n in names]) for g in grads]
-        assert rel_err(*every) <= 3e-2, step  # bf16 noise: single small gradients may be off by more
-        for name in names:
-            assert rel_err(grads[0][name], grads[1][name]) <= 0.15, (step, name)
+        assert grads[0].keys() == grads[2].keys() and any("magnitude" in n for n in grads[0])
+        assert abs(losses[0] - losses[2]) <= 2 * abs(losses[1] - losses[2]) + 1e-4 * abs(losses[2]), (step, losses)
+        names = sorted(grads[2])
+        every = [torch.cat([g[n].flatten().double() for n in names]) for g in grads]
+        assert rel_err(every[0], every[2]) <= 2 * rel_err(every[1], every[2]) + 1e-3, step
         opt.step()
-        model.zero_grad(set_to_none=True), twin.zero_grad(set_to_none=True)
+        for m in (model, twin, ref):
+            m.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("private", ["1", "0"])
