@@ -16,7 +16,34 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from flashdora import config  # noqa: E402
 from tests.quick import is_quick  # noqa: E402
+
+
+class _ConfigMonkeyPatch(pytest.MonkeyPatch):
+    """``monkeypatch`` whose ``setenv``/``delenv`` of a ``FLASHDORA_*`` variable (and ``undo``) re-read flashdora's
+    settings, as a new process would at import: flashdora reads the environment once (``config``)."""
+
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        if name.startswith("FLASHDORA_"):
+            config.reload()
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        if name.startswith("FLASHDORA_"):
+            config.reload()
+
+    def undo(self):
+        super().undo()
+        config.reload()
+
+
+@pytest.fixture
+def monkeypatch():
+    patch = _ConfigMonkeyPatch()
+    yield patch
+    patch.undo()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flashdora import backend, dora_linear, reset_stats, stats
+from flashdora import backend, config, dora_linear, reset_stats, stats
 from tests.helpers import dora_inputs
 
 
@@ -17,10 +17,11 @@ def test_known_values(monkeypatch, value):
 
 
 def test_unknown_value_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("FLASHDORA_BACKEND", "cuda-graphs")
-    i = dora_inputs(8, 4, 2)
+    """A bad value is refused where the settings are read (at import in a new process, at ``reload``), naming the
+    variable and the value; the settings keep their last good values."""
     with pytest.raises(ValueError, match="FLASHDORA_BACKEND expected one of auto, triton, eager, got 'cuda-graphs'"):
-        dora_linear(i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
+        monkeypatch.setenv("FLASHDORA_BACKEND", "cuda-graphs")
+    assert config.backend == "auto"
 
 
 def test_auto_on_cpu_is_eager(monkeypatch):
@@ -88,18 +89,30 @@ def test_float64_stays_eager(monkeypatch):
         backend.use_triton(x)
 
 
-def test_switches_follow_a_replaced_environ():
-    """The switches are read from ``os.environ``'s own dict for speed, but a patched ``os.environ`` object (as
-    ``mock.patch("os.environ", ...)`` installs) is honoured too."""
-    from unittest import mock
+def test_settings_are_read_once_and_changed_by_configure(monkeypatch):
+    """The environment is read at import (``reload``), not per call; ``flashdora.configure`` changes a setting at
+    run time and names a bad argument; ``override`` restores."""
+    import os
 
+    import flashdora
     from flashdora.ops.norm_cache import cache_enabled
 
-    with mock.patch("os.environ", {"FLASHDORA_BACKEND": "eager", "FLASHDORA_NORM_CACHE": "0"}):
-        assert backend.requested_backend() == "eager" and not cache_enabled()
-    with mock.patch("os.environ", {"FLASHDORA_BACKEND": "bogus"}), pytest.raises(ValueError, match="bogus"):
-        backend.requested_backend()
-    assert backend.requested_backend() == "auto" and cache_enabled()
+    monkeypatch.setitem(os.environ, "FLASHDORA_NORM_CACHE", "0")  # (plain setitem: no reload)
+    assert cache_enabled() and backend.requested_backend() == "auto"
+    assert config.reload()["norm_cache"] is False and not cache_enabled()
+    before = flashdora.configure(backend="eager", norm_cache=True)
+    assert before["backend"] == "auto" and not before["norm_cache"]
+    assert backend.requested_backend() == "eager" and cache_enabled()
+    with config.override(backend="TRITON"):
+        assert backend.requested_backend() == "triton"
+    assert backend.requested_backend() == "eager"
+    with pytest.raises(ValueError, match="configure: backend expected one of auto, triton, eager, got 'cuda'"):
+        flashdora.configure(backend="cuda")
+    with pytest.raises(TypeError, match="configure: native expected a bool, got str"):
+        flashdora.configure(native="0")
+    with pytest.raises(TypeError, match="configure: unknown setting 'nativ'; expected one of backend, native"):
+        flashdora.configure(nativ=False)
+    assert backend.requested_backend() == "eager"  # (nothing changed by a refused call)
 
 
 @pytest.mark.gpu
@@ -125,16 +138,18 @@ def test_tensors_off_the_current_device_run_eager(monkeypatch):
         dora_linear(*args)
 
 
-@pytest.mark.parametrize("name", ["FLASHDORA_NORM_CACHE", "FLASHDORA_NATIVE", "FLASHDORA_STATIC_LAUNCH"])
-def test_switches_reject_unknown_values(name, monkeypatch):
+@pytest.mark.parametrize(
+    "name, setting",
+    [("FLASHDORA_NORM_CACHE", "norm_cache"), ("FLASHDORA_NATIVE", "native"), ("FLASHDORA_STATIC_LAUNCH", "static_launch")],
+)
+def test_switches_reject_unknown_values(name, setting, monkeypatch):
     """Every on/off switch takes the documented spellings, defaults when unset or empty, and names itself and the
     value it got for anything else (a typo never silently picks a default)."""
     for value, expected in [("1", True), ("Yes", True), (" on ", True), ("0", False), ("off", False), ("", True)]:
         monkeypatch.setenv(name, value)
-        assert backend.switch(name, True) is expected
-    monkeypatch.setenv(name, "of")
+        assert config.current()[setting] is expected
     with pytest.raises(ValueError, match=rf"{name} expected one of .* got 'of'"):
-        backend.switch(name, True)
+        monkeypatch.setenv(name, "of")
 
 
 def test_untested_versions_take_the_plain_launch(monkeypatch):
@@ -149,12 +164,13 @@ def test_untested_versions_take_the_plain_launch(monkeypatch):
     args = (i["x"], i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], i["scaling"])
     ref = dora_linear(*args)
     assert backend.tested_versions()  # this suite's versions (torch 2.13 CPU, triton 3.9; torch 2.11 on the GPUs)
-    assert backend._minor("2.11.0+cu130") == (2, 11) and backend._minor("3.10.0") == (3, 10)
+    assert config._minor("2.11.0+cu130") == (2, 11) and config._minor("3.10.0") == (3, 10)
     monkeypatch.setattr(launcher, "_TUNED", _Refusing())  # the fast path's table: never read on the plain path
     for untested in ("versions", "switch"):
         with monkeypatch.context() as m:
             if untested == "versions":
-                m.setattr(backend, "tested_versions", lambda: False)
+                m.setattr(config, "tested_versions", lambda: False)
+                config.reload()
             else:
                 m.setenv("FLASHDORA_PRIVATE_APIS", "0")
             out = dora_linear(*args)

@@ -213,18 +213,14 @@ def test_model_dropout_runs_both_modes(tmp_path, monkeypatch):
 
 
 def test_native_off_restores_the_setting(monkeypatch):
-    """``flashdora_python``'s row runs with ``FLASHDORA_NATIVE=0`` and leaves the caller's setting as it was."""
-    for before in (None, "1"):
-        if before is None:
-            monkeypatch.delenv("FLASHDORA_NATIVE", raising=False)
-        else:
-            monkeypatch.setenv("FLASHDORA_NATIVE", before)
+    """``flashdora_python``'s row runs with ``configure(native=False)`` and leaves the caller's setting as it was."""
+    for before in (True, False):
+        flashdora.configure(native=before)
         with model._native_off(True):
-            assert os.environ["FLASHDORA_NATIVE"] == "0"
-            assert not flashdora.native.enabled()
-        assert os.environ.get("FLASHDORA_NATIVE") == before
+            assert not flashdora.config.native and not flashdora.native.enabled()
+        assert flashdora.config.native is before
         with model._native_off(False):
-            assert os.environ.get("FLASHDORA_NATIVE") == before
+            assert flashdora.config.native is before
 
 
 def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):

@@ -1,81 +1,25 @@
-"""Backend choice (``FLASHDORA_BACKEND=auto|triton|eager``) and the per-path call counters behind ``stats()``."""
+"""Backend choice (``config.backend``: auto|triton|eager) and the per-path call counters behind ``stats()``."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import re
 import warnings
 from collections import Counter
 
 import torch
 
-BACKENDS = ("auto", "triton", "eager")
+from flashdora import config
+
+BACKENDS = config.BACKENDS
 
 _counts: Counter[str] = Counter()
 _warned: set[str] = set()
 
 
-_ENVIRON = os.environ
-_ENV_DATA = getattr(_ENVIRON, "_data", None)  # the dict behind os.environ (CPython), read without its Python layers
-_ENV_ENCODE = getattr(_ENVIRON, "encodekey", None)
-_ENV_DECODE = getattr(_ENVIRON, "decodevalue", None)
-
-
-def env_raw(name: str):
-    """``os.environ.get(name)`` as stored (bytes on POSIX; ``None`` when unset), at a dict lookup's cost: the layer
-    path reads its switches on every call, where ``os.environ.get`` costs three Python calls. The caller decodes
-    with ``env_str``. A replaced ``os.environ`` (``mock.patch("os.environ", ...)``) is read through ``.get``."""
-    if os.environ is not _ENVIRON or _ENV_DATA is None or _ENV_ENCODE is None:
-        return os.environ.get(name)
-    return _ENV_DATA.get(_env_key(name))
-
-
-@functools.cache
-def _env_key(name: str):
-    return _ENV_ENCODE(name)
-
-
-def env_str(raw) -> str:
-    """An ``env_raw`` value as ``str`` (decoded as ``os.environ`` decodes it)."""
-    if isinstance(raw, bytes):
-        return _ENV_DECODE(raw) if _ENV_DECODE is not None else os.fsdecode(raw)
-    return raw
-
-
-def switch(name: str, default: bool) -> bool:
-    """An on/off environment switch: ``1``, ``true``, ``on`` or ``yes`` turn it on, ``0``, ``false``, ``off`` or
-    ``no`` off; unset or empty gives ``default``; anything else is a ``ValueError`` that names the variable. Cheap
-    enough for the layer path (a lookup and a cache)."""
-    if os.environ is _ENVIRON and _ENV_DATA is not None and _ENV_ENCODE is not None:  # env_raw, inlined
-        return _switch_value(name, _ENV_DATA.get(_env_key(name)), default)
-    return _switch_value(name, os.environ.get(name), default)
-
-
-@functools.lru_cache(maxsize=64)
-def _switch_value(name: str, raw, default: bool) -> bool:
-    value = (env_str(raw) or "").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value == "":
-        return default
-    raise ValueError(f"{name} expected one of 1, true, on, yes, 0, false, off, no (or unset), got {env_str(raw)!r}")
-
-
 def requested_backend() -> str:
-    """The backend named by ``FLASHDORA_BACKEND`` (default ``auto``); read on every call so tests can switch it."""
-    return _parse_backend(env_raw("FLASHDORA_BACKEND"))
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_backend(raw) -> str:
-    value = (env_str(raw) or "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"FLASHDORA_BACKEND expected one of {', '.join(BACKENDS)}, got {value!r}")
-    return value
+    """The backend asked for (``config.backend``: ``FLASHDORA_BACKEND`` at import, or ``flashdora.configure``)."""
+    return config.backend
 
 
 _HAS_TRITON: bool | None = None
@@ -102,7 +46,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     ``triton``: the kernels launch on the current device. Called several times per layer call, so the common case
     is a few attribute reads.
     """
-    backend = requested_backend()
+    backend = config.backend
     if backend == "eager":
         return False
     if backend == "auto":
@@ -118,7 +62,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if not triton_available():
         raise RuntimeError("FLASHDORA_BACKEND=triton, but triton is not importable; install triton or use eager")
     on_cuda = all(t.is_cuda for t in tensors)
-    interpreted = env_str(env_raw("TRITON_INTERPRET")) == "1" and all(t.device.type == "cpu" for t in tensors)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
     if not (on_cuda or interpreted):
         devices = sorted({str(t.device) for t in tensors})
         raise RuntimeError(
@@ -129,43 +73,26 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)  # private: gated, see below
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)  # private: gated by config.private
 
 
 def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, jvp, jacrev, ...) is running. Reads a private torch function
-    present in every torch version the tests cover; where it is missing, ``False`` (the transforms then reach
-    flashdora's code and raise there)."""
-    return _FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()
+    """Whether a ``torch.func`` transform (grad, vmap, jvp, jacrev, ...) is running: torch's private test where
+    private internals are allowed (``config.private``), else the public one, ``torch._C._functorch`` levels being
+    private too: ``torch.func`` transforms then reach flashdora's code, which runs PEFT's forward for them where
+    it can tell (``dispatch``) and raises in the autograd Function where it cannot."""
+    return config.private and _FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()
 
 
-# The torch and Triton versions the test suite covers. The fast launch path (torch's C++ launcher of Triton kernels,
-# Triton's own launcher called directly) and the C++ compose rely on their private internals: on any other version
-# every kernel launches through the plain ``kernel[grid]`` and the compose stays in Python.
-TESTED = {"torch": ((2, 11), (2, 13)), "triton": ((3, 6), (3, 9))}
-
-
-def _minor(version: str) -> tuple[int, int]:
-    parts = re.findall(r"\d+", version)[:2]
-    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
-
-
-@functools.cache
 def tested_versions() -> bool:
-    """Whether this torch and Triton are versions the tests cover (``TESTED``)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = {"torch": torch.__version__, "triton": version("triton")}
-    except PackageNotFoundError:
-        return False
-    return all(lo <= _minor(found[name]) <= hi for name, (lo, hi) in TESTED.items())
+    """Whether this torch and Triton are versions the tests cover (``config.TESTED``)."""
+    return config.tested_versions()
 
 
 def private_apis() -> bool:
-    """Whether the fast launch path and the C++ compose may use torch's and Triton's private internals: tested
-    versions (``tested_versions``) and ``FLASHDORA_PRIVATE_APIS`` not off (``0`` forces the plain path)."""
-    return tested_versions() and switch("FLASHDORA_PRIVATE_APIS", True)
+    """Whether the fast launch path and the C++ compose may use torch's and Triton's private internals
+    (``config.private``: tested versions, and ``FLASHDORA_PRIVATE_APIS`` / ``configure(private_apis=...)`` on)."""
+    return config.private
 
 
 _CUDA_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)  # (absent from CPU builds)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from flashdora import backend
+from flashdora import backend, config
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp"]  # (and csrc/launch.h, which both include)
@@ -44,10 +44,10 @@ _done = threading.Event()  # set when a build has ended
 
 
 def enabled() -> bool:
-    """``FLASHDORA_NATIVE`` (default on): ``0``, ``false``, ``off`` or ``no`` keeps the Python
-    path and never builds the extension. Read on every call, so it can be switched at any time. Off on torch and
-    Triton versions the tests do not cover (``backend.private_apis``): it packs Triton's kernel arguments itself."""
-    return backend.switch("FLASHDORA_NATIVE", True) and backend.private_apis()
+    """``config.native_on``: ``FLASHDORA_NATIVE`` / ``configure(native=...)`` (default on; off keeps the Python path
+    and never builds the extension), and private internals allowed (``config.private``: it packs Triton's kernel
+    arguments itself)."""
+    return config.native_on
 
 
 def module(wait: bool = True):

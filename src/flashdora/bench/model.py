@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 
@@ -27,6 +26,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 import flashdora
+from flashdora import config
 from flashdora.bench import record, timing
 from flashdora.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, step_fn
 from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
@@ -258,19 +258,9 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
     return model, rows
 
 
-@contextlib.contextmanager
 def _native_off(off: bool):
-    """``FLASHDORA_NATIVE=0`` inside (read at every layer call), the caller's setting restored after."""
-    old = os.environ.get("FLASHDORA_NATIVE")
-    if off:
-        os.environ["FLASHDORA_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if off and old is None:
-            del os.environ["FLASHDORA_NATIVE"]
-        elif off:
-            os.environ["FLASHDORA_NATIVE"] = old
+    """``configure(native=False)`` inside (``off``), the caller's setting restored after."""
+    return config.override(native=False) if off else contextlib.nullcontext()
 
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:

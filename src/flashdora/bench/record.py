@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from flashdora import config
+
 _REPO = Path(__file__).resolve().parents[3]
 
 
@@ -124,7 +126,7 @@ def new_result(bench: str, device: torch.device | str, protocol: dict, args: dic
         "transformers": vers["transformers"],
         "peft": vers["peft"],
         "protocol": {
-            "backend_env": os.environ.get("FLASHDORA_BACKEND", "auto"),
+            "backend_env": config.backend,
             # the CUDA caching allocator's settings move eager training steps by 20% or more (docs/benchmarks.md)
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
             "native_backward": native,

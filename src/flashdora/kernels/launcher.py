@@ -11,7 +11,7 @@ import triton
 from triton import knobs
 from triton.runtime.autotuner import Heuristics
 
-from flashdora import backend
+from flashdora import backend, config
 from flashdora.kernels.configs import INTERPRETED
 
 _TUNED: dict[tuple, tuple] = {}  # (kernel, key) -> (the autotuner's choice, how many leading tensor arguments)
@@ -88,7 +88,7 @@ def autotune_enabled() -> bool:
     the list's first (its best on the H100 and H200 at the 8B shapes). Read at a key's first launch. Off, a fresh
     machine compiles one config per kernel in the first step rather than every config (docs/design.md, "Cold
     start"); ``kernel[grid]`` (untested versions) always tunes."""
-    return backend.switch("FLASHDORA_AUTOTUNE", False)
+    return config.autotune
 
 
 def default_config(kernel, args: tuple, flags: dict) -> triton.Config:
@@ -255,8 +255,7 @@ def _launcher(fn, compiled, args: tuple, constexprs: dict) -> tuple:
 
 def _static_ok() -> bool:
     """torch's launcher is there and not switched off (``FLASHDORA_STATIC_LAUNCH=0``: Triton's launcher always)."""
-    on = backend.switch("FLASHDORA_STATIC_LAUNCH", True)
-    return on and _raw_stream is not None and _static_launch_fn() is not None
+    return config.static_launch and _raw_stream is not None and _static_launch_fn() is not None
 
 
 @functools.cache

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from flashdora import backend
+from flashdora import backend, config
 from flashdora.layers import dequantized
 from flashdora.ops.cache_streams import capturing, in_tree_pool, join, made_on, stream_now
 from flashdora.ops.norm import fresh, scales_on, weight_sq
@@ -52,8 +52,8 @@ _storage_numbers = itertools.count(1)
 
 
 def cache_enabled() -> bool:
-    """``FLASHDORA_NORM_CACHE`` (default on); ``0``, ``false``, ``off`` or ``no`` turns the norm cache off."""
-    return backend.switch("FLASHDORA_NORM_CACHE", True)
+    """``config.norm_cache``: ``FLASHDORA_NORM_CACHE`` / ``configure(norm_cache=...)`` (default on)."""
+    return config.norm_cache
 
 
 def bump() -> None:
