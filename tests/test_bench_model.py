@@ -1,7 +1,6 @@
 """``flashdora bench model`` on tiny CPU configs: result files, phases, rounds, quantized bases, dropout modes (no
 timing asserts)."""
 
-import os
 import statistics
 
 import pytest

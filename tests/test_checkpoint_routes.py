@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import bnb_base, native
+from flashdora import bnb_base, dispatch, native
 from flashdora.ops import compose
 from tests.peft_models import make_ids
 from tests.qdora_models import int8_bf16_model, qdora_model
@@ -76,7 +76,6 @@ class _Built:
 @pytest.fixture
 def built(monkeypatch):
     native.reset()
-    monkeypatch.setattr(compose, "_native", None)
     monkeypatch.setattr(native, "_module", _Built())
     monkeypatch.setattr(native, "_state", "ready")
     yield native._module
@@ -88,18 +87,18 @@ def test_a_build_that_ends_mid_step_waits_for_an_optimizer_step(built):
     the Python path); the next optimizer step adopts it."""
     native._watch_steps()
     assert native.module(wait=False) is None
-    assert compose._load_native() is False  # a call with grad: still the Python path
+    assert not dispatch.native_ready()  # a call with grad: still the Python path
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.ones(2)
     torch.optim.SGD([param], lr=0.1).step()
-    assert native.module(wait=False) is built and compose._load_native() is built
+    assert native.module(wait=False) is built and dispatch.native_ready() and native._adopted is built
 
 
 def test_a_call_without_grad_adopts_a_finished_build(built):
     """Inference (and reentrant checkpointing's first forward) records nothing for a backward: a call without grad
     adopts a finished build."""
     with torch.no_grad():
-        assert compose._load_native() is built
+        assert dispatch.native_ready() and native._adopted is built
     assert native.module(wait=False) is built
 
 

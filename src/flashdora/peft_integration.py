@@ -22,15 +22,9 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import backend, peft_layers, watch
-from flashdora.layers import base_layer as _base_layer
-from flashdora.layers import dequantized as _dequantized
-from flashdora.layers import hooked_adapter
-from flashdora.layers import is_bnb as _bnb
-from flashdora.layers import param as _param
-from flashdora.layers import reason as _reason
-from flashdora.layers import unsupported_reason
-from flashdora.ops.compose import compose, compose_eager
+from flashdora import backend, dispatch, peft_layers, watch
+from flashdora.layers import base_layer, dequantized, is_bnb, param, unsupported_reason
+from flashdora.ops.compose import run_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.peft_enable_check import warn_if_nothing_to_enable
 from flashdora.watch import watch_writes
@@ -57,68 +51,71 @@ def _fallback(reason: str, peft_forward, module, active_adapter, x, result, **kw
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-def flash_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, **kwargs):
+def flash_forward(
+    module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, _base=None, **kwargs
+):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
 
-    ``_seq``: ``ops.compose.after_base()`` taken right before the base layer ran (``peft_layers``), else -1."""
+    The call is routed once (``dispatch.layer_route``) and run as its route says. ``_seq``: ``ops.compose.after_base()``
+    taken right before the base layer ran (``peft_layers``), else -1. ``_base``: how the base result was made
+    (``dispatch.BASE``; ``None``: the layer's own call)."""
     if watch.fsdp_hook is None:  # a process group may have come up since (FSDP2: watch.py)
         watch.watch_fsdp()
     if "_flashdora_pending" in module.__dict__:  # FSDP2 has just gathered this layer's weights
         watch.shards(module)
     mods = module._modules
-    base = _base_layer(module)
-    weight = _param(base, "weight")
+    base = base_layer(module)
+    weight = param(base, "weight")
+    quantized = is_bnb(base)
     if type(weight) not in _PLAIN and getattr(weight, "_flashdora_shard", None) is None:
         # A parameter subclass with its own __torch_function__ (bitsandbytes' Params4bit and Int8Params): every read of
         # an attribute (the norm cache's key takes eight) runs it. detach() is the same storage, address and version
         # counter as a plain tensor: the same key, read at a plain tensor's cost. (FSDP2's tagged parameters keep
         # theirs: the tag lives on the parameter.)
         weight = weight.detach()
-    lora_A = _param(mods["lora_A"]._modules[active_adapter], "weight")
+    lora_A = param(mods["lora_A"]._modules[active_adapter], "weight")
     lora_B_layer = mods["lora_B"]._modules[active_adapter]
-    lora_B = _param(lora_B_layer, "weight")
+    lora_B = param(lora_B_layer, "weight")
     owner = mods["lora_magnitude_vector"]._modules[active_adapter]
-    magnitude = _param(owner, "weight")
-    reason = _reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
-    if reason is None and (hook := hooked_adapter(module, active_adapter)) is not None:
-        reason = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights
-    if reason is None and backend.functorch_active():
-        reason = "torch.func"  # grad/vmap/jvp: PEFT's plain torch ops compose with every transform
-    if x.is_meta or weight.is_meta:  # shapes only (meta-device initialisation): PEFT's ops, uncounted as a fallback
+    magnitude = param(owner, "weight")
+    bias = param(base, "bias")
+    dropout = mods["lora_dropout"]._modules[active_adapter]
+    drops = module.training and not isinstance(dropout, nn.Identity)
+    exact = drops and dropout_mode(module) != "adapter"
+    route = dispatch.layer_route(
+        module, active_adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result,
+        _base or ("layer" if quantized else "module"), bias, exact,
+    )  # fmt: skip
+    compose = route.compose
+    if compose == "meta":  # shapes only (meta-device initialisation): PEFT's ops, uncounted as a fallback
         backend.count("meta")
         return _PEFT_FORWARD.__func__(module, active_adapter, x, result, **kwargs)
-    if reason is not None or x.device != result.device:
-        return _fallback(
-            reason or "devices:input", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs
-        )
-    quantized = _bnb(base)  # the cache keys on the packed weight; a miss dequantizes it
-    if quantized and torch.compiler.is_compiling():
-        return _fallback("quantized:compile", _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
+    if compose == "peft":
+        return _fallback(route.why, _PEFT_FORWARD.__func__, module, active_adapter, x, result, **kwargs)
     weight = weight.T if module.fan_in_fan_out else weight
     scaling = float(module.scaling[active_adapter])
-    if torch.compiler.is_compiling():
+    if compose == "traced":
         scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling, _cache_id(owner))
-        run = compose
-    else:  # eager: the cache by its owner, and the compose without the compile checks
+    else:  # eager: the cache by its owner
         scales = NormCache.lookup_owner(
-            weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), base if quantized else None, x.dtype
-        )
-        run = compose_eager
-    dropout = mods["lora_dropout"]._modules[active_adapter]
-    if not module.training or isinstance(dropout, nn.Identity):
-        return run(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
+            weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), base if quantized else None, x.dtype,
+            impl=route.norm,
+        )  # fmt: skip
+    if not drops:
+        return run_compose(compose, result, x, lora_A, lora_B, magnitude, scales, scaling, bias=bias, seq=_seq)
     lora_x = dropout(x)
-    if dropout_mode(module) == "adapter":  # dropout on the low-rank branch only
-        return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=_param(base, "bias"), seq=_seq)
+    if not exact:  # dropout on the low-rank branch only
+        return run_compose(compose, result, lora_x, lora_A, lora_B, magnitude, scales, scaling, bias=bias, seq=_seq)
     # PEFT forms lora_x W^T with W cast to the input dtype; under autocast that cast is a no-op on values.
     autocast = torch.is_autocast_enabled(x.device.type)
     if quantized:  # (as PEFT's QDoRA; an 8-bit weight straight in the dtype the matmul runs in)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else lora_x.dtype
-        w = _dequantized(base, None if module.fan_in_fan_out else weight, dtype)
+        w = dequantized(base, None if module.fan_in_fan_out else weight, dtype)
     else:
         w = weight
     w = w if autocast else w.to(lora_x.dtype)
-    return run(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=F.linear(lora_x, w))
+    lx_base = F.linear(lora_x, w)
+    return run_compose(compose, result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=lx_base)
 
 
 def _cache_id(owner) -> int:

@@ -113,18 +113,19 @@ def lean_forward(self, x, *args, **kwargs):
     seq = after_base()
     base = self._modules["base_layer"]
     if not _bnb(base):
-        return _adapt(self, active, x, base(x), seq)
+        return _adapt(self, active, x, base(x), seq, "module")
     try:
-        return _adapt(self, active, x, bnb_base.result(base, x)[0], seq)
+        result, fresh = bnb_base.result(base, x)
+        return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer")
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 
 
-def _adapt(self, active, x, result, seq):
+def _adapt(self, active, x, result, seq, base_kind):
     """``lean_forward`` after the base layer: PEFT's cast of ``x``, the variant, the result in the base's dtype."""
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(self._modules["lora_A"]._modules[active], "weight").dtype)
-    result = _pi.flash_forward(self, active, x, result, seq)
+    result = _pi.flash_forward(self, active, x, result, seq, base_kind)
     return result if result.dtype == dtype else result.to(dtype)
 
 
@@ -150,11 +151,12 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
         result, fresh = bnb_base.result(mods["base_layer"], x)
         if not fresh and _CLONES[self._flashdora_kind]:
             result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
+        base_kind = "bnb" if fresh else "layer"
         if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
-            return _pi.flash_forward(self, active, x, result, seq)
+            return _pi.flash_forward(self, active, x, result, seq, base_kind)
         dtype = result.dtype
         x = self._cast_input_dtype(x, _param(mods["lora_A"]._modules[active], "weight").dtype)
-        return _pi.flash_forward(self, active, x, result, seq).to(dtype)
+        return _pi.flash_forward(self, active, x, result, seq, base_kind).to(dtype)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 

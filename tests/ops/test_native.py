@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashdora import native
 from flashdora.ops import compose as C
 from flashdora.ops.norm import fresh
 from tests.helpers import backward_order
@@ -31,7 +32,7 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
     ``ComposeFunction``'s. ``s = 0.3`` tells ``(dy s) g`` from ``s (g dy)`` (a power of two would not)."""
     adapter = torch.float64 if dtype == torch.float64 else torch.float32
     x, w, lora_A, lora_B, mag = _layer("cpu", dtype, adapter)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), s, "eager")[1]
     dy = torch.randn(2, 7, 40, dtype=dtype)
     mask = (torch.rand_like(x) > 0.3).to(dtype) / 0.7
     grads = []
@@ -46,7 +47,7 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
             ext.attach_eager(y, result, a, lora_B, mag, inner, scales, s, lx_base=lx_base)
             assert y.grad_fn.name() == "FlashDoraComposeBackward"
         else:
-            y = C.ComposeFunction.apply(result, a, lx_base, None, lora_B, mag, scales, s, dtype)
+            y = C.ComposeFunction.apply(result, a, lx_base, None, lora_B, mag, scales, s, dtype, False)
         grads.append((y.detach(), *torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)))
     for want, got in zip(*grads):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -55,7 +56,7 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
 
 def test_cpu_node_checks(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
 
     def forward():
         result, a = F.linear(x, w), F.linear(x, lora_A)
@@ -80,7 +81,7 @@ def test_double_backward_is_refused_on_both_paths(ext):
     magnitude's terms: the C++ node and the Python function both refuse ``create_graph=True`` (a constant upstream
     gradient would otherwise reach no error node). Never silently wrong second-order gradients."""
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
     result, a = F.linear(x, w), F.linear(x, lora_A)
     with torch.no_grad():
         y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
@@ -88,7 +89,7 @@ def test_double_backward_is_refused_on_both_paths(ext):
     with pytest.raises(RuntimeError, match="does not build a graph of its own"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
     result, a = F.linear(x, w), F.linear(x, lora_A)
-    y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, 1.0, torch.float64)
+    y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, 1.0, torch.float64, False)
     with pytest.raises(RuntimeError, match="does not build a graph of its own"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
@@ -102,7 +103,7 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, t, d_in, d_out, r)
     with torch.no_grad():
         mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, "triton")[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
     mask = (torch.rand_like(x) > 0.1).to(x.dtype) / 0.9
 
@@ -115,11 +116,11 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
         torch.full((64 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
         return y.grad_fn.name(), y.detach(), torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
 
-    monkeypatch.setattr(C, "_native", False)
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
     run()  # tunes the backward kernel
     name, y_py, g_py = run()  # compiles it for the direct launch: the plan the node takes
     assert "FlashDoraComposeBackward" not in name
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     name, y_nat, g_nat = run()
     assert name == "FlashDoraComposeBackward"
@@ -156,7 +157,7 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
     bias = torch.randn(d_out, device="cuda", dtype=torch.bfloat16) if with_bias else None
     with torch.no_grad():
         mag.copy_(torch.linalg.vector_norm(w.float(), dim=1) * (1 + 1e-3 * torch.randn_like(mag)))
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), scaling, "triton")[1]
     dy = torch.randn(2, t, d_out, device="cuda", dtype=torch.bfloat16)
     autocast = adapter_dtype == torch.float32  # fp32 adapters under autocast; bf16 ones without
     mask = (torch.rand_like(x) > 0.1).to(x.dtype) / 0.9
@@ -177,7 +178,7 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
     for _ in range(3):  # tunes and compiles the kernels
         y_py, g_py, _ = run()
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
     for _ in range(3):  # the first calls find no plan: the Python path runs and files them
         run()
     calls = _cpp_forward_calls(monkeypatch)
@@ -194,7 +195,7 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
 @pytest.mark.gpu
 def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_plans(ext, monkeypatch):
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.bfloat16, 5, 32, 48, 4)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     result = F.linear(x, w).detach()
     with torch.no_grad():
         assert ext.forward(result.transpose(0, 1), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # strided
@@ -215,7 +216,7 @@ def test_gpu_cpp_forward_declines_what_it_does_not_take_and_gives_up_without_pla
 
 def test_cpu_forward_is_left_to_the_python_path(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float32, torch.float32)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, False)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
     with torch.no_grad():
         assert ext.forward(F.linear(x, w), x, lora_A, lora_B, mag, scales, None, 1.0, -1) is None  # CUDA only
 
@@ -225,9 +226,9 @@ def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, mon
     """Forwards with grad before any backward (the backward kernel not compiled yet) run the Python path without
     giving the shape up; the first forward after a backward files the backward's plan, and the next runs in C++."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
 
     def forward():
@@ -269,9 +270,9 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
     inputs = (x, lora_A, lora_B, mag)
 
@@ -284,7 +285,7 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
         torch.autograd.grad(f(x), inputs, dy)
     want = torch.autograd.grad(f(x), inputs, dy)
     switching = _Switching(ext, lambda n: (n == 1) == (first == "python"))
-    monkeypatch.setattr(C, "_native", switching)
+    monkeypatch.setattr(native, "_adopted", switching)
     got = torch.autograd.grad(checkpoint(f, x, use_reentrant=False), inputs, dy)
     assert switching.calls == 2  # the forward, then its recompute
     for g, ref in zip(got, want, strict=True):
@@ -297,9 +298,9 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     does: the base layer's backward runs first and frees ``g dy`` before the A path's ``d x`` exists (the layer
     benchmark's peak, ``benchmarks/peak_live.py``). With ``seq = -1`` the A path runs first."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
-    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, True)[1]
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
 
     def forward(reorder: bool):

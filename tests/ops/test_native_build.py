@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from flashdora import native
-from flashdora.ops import compose as C
+from flashdora import dispatch, native
 
 
 def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
@@ -47,13 +46,12 @@ def test_build_runs_in_the_background(monkeypatch):
 
     monkeypatch.setattr(cpp, "load", slow)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(C, "_native", None)
     native.reset()
     assert native.module(wait=False) is None and not native.failed()
-    assert C._load_native() is False and C._native is None  # this call: the Python path; the next asks again
+    assert not dispatch.native_ready()  # this call: the Python path; the next asks again
     release.set()
     assert native.module() is built
-    assert C._load_native() is built and C._native is built
+    assert dispatch.native_ready() and native._adopted is built
     native.reset()
 
 

@@ -31,7 +31,7 @@ def _use(ext, monkeypatch):
 
     monkeypatch.setattr(native, "_module", ext)
     monkeypatch.setattr(native, "_state", "ready")
-    monkeypatch.setattr(C, "_native", ext)
+    monkeypatch.setattr(native, "_adopted", ext)
 
 
 def _poison():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdora import backend, native
+from flashdora import backend, config, dispatch, native
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -88,7 +88,7 @@ def _import_kernels():
 
 
 def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner, triton):
-    """Forward body from the LoRA A output ``a``: ``(y, inner | None)``; ``triton``: ``backend.use_triton(result)``."""
+    """Forward body from the LoRA A output ``a``: ``(y, inner | None)``; ``triton``: the route's (``dispatch``)."""
     if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         backend.count("triton")
         kc = _kc or _import_kernels()
@@ -170,9 +170,8 @@ class ComposeFunction(torch.autograd.Function):
     Its inputs start at the LoRA A output ``a``: the A matmul stays outside, in plain autograd (``_lora_a``)."""
 
     @staticmethod
-    def forward(ctx, result, a, lx_base, bias, lora_B, magnitude, scales, scaling, compute_dtype):
+    def forward(ctx, result, a, lx_base, bias, lora_B, magnitude, scales, scaling, compute_dtype, triton):
         save_inner = ctx.needs_input_grad[5]
-        triton = backend.use_triton(result)
         y, inner = _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_inner, triton)
         ctx.save_for_backward(a, inner)
         # lora_B (a parameter, alive anyway) and the [3, d_out] scales ride on ctx instead: under gradient
@@ -192,17 +191,21 @@ class ComposeFunction(torch.autograd.Function):
                 f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
             )
         grads = _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, ctx.needs_input_grad, triton)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 # ``Function.apply`` minus its Python wrapper (argument binding for ``setup_context`` and functorch's dead-wrapper
 # unwrapping, 13 Python calls a layer call): the C++ entry it ends in, taken when no functorch transform is active.
 _C_APPLY = getattr(torch._C, "_FunctionBase", None)
-_APPLY = (
+_C_APPLY_BOUND = (
     _C_APPLY.__dict__["apply"].__get__(None, ComposeFunction)
-    if _C_APPLY is not None and "apply" in _C_APPLY.__dict__ and backend.tested_versions()
-    else ComposeFunction.apply
-)  # (private: the public ``ComposeFunction.apply`` on torch versions the tests do not cover)
+    if _C_APPLY is not None and "apply" in _C_APPLY.__dict__
+    else None
+)  # (private: the public ``ComposeFunction.apply`` where ``config.private`` is off: untested torch, or switched off)
+
+
+def _apply(*args):
+    return _C_APPLY_BOUND(*args) if config.private and _C_APPLY_BOUND is not None else ComposeFunction.apply(*args)
 
 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
@@ -225,7 +228,8 @@ def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, comp
 
 
 def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None, seq=-1) -> Tensor:
-    """The DoRA output from the base layer's ``result = x W^T + bias`` (validated inputs; PEFT's variant calls this).
+    """The DoRA output from the base layer's ``result = x W^T + bias`` (validated inputs), routed here
+    (``dispatch.compose_impl``); PEFT's variant routes once for the whole call and calls ``run_compose``.
 
     ``lx_base is None``: ``y = g (result - bias + s lx A^T B^T) + bias`` (here ``lx`` is ``x``). Otherwise
     ``lx`` is the dropout-applied input and ``lx_base = lx W^T``: ``y = result + (g - 1) lx_base + g s lx A^T B^T``.
@@ -233,31 +237,38 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     Eager calls run the LoRA A matmul in plain autograd, then ``ComposeFunction`` (the fused kernels on the Triton
     path); compiled graphs plain torch ops. ``seq``: see ``after_base`` (eager calls only).
     """
-    if torch.compiler.is_compiling():
+    impl = "traced" if torch.compiler.is_compiling() else dispatch.compose_impl(result, bias, lx_base is not None)
+    return run_compose(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=bias, lx_base=lx_base, seq=seq)
+
+
+def run_compose(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None, seq=-1):
+    """``compose`` by the route's ``impl`` (``dispatch.COMPOSE``: ``traced``, ``eager``, ``triton`` or ``native``)."""
+    if impl == "traced":
         device_type = result.device.type
         cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
         return _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, cd, bias, lx_base)
-    return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
+    return compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq, impl)
 
 
-def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1) -> Tensor:
-    """``compose`` outside ``torch.compile`` (callers that know they are eager skip the check).
+def compose_eager(
+    result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1, impl=None
+) -> Tensor:
+    """``compose`` outside ``torch.compile``; ``impl``: ``eager``, ``triton`` or ``native`` (``None``: routed here).
 
-    On the Triton path a call runs in ``flashdora.native``'s C++ forward once that holds the launch plans of its
-    kernels (dropout's ``lx_base`` with no bias, as PEFT calls it); the call that finds none runs the Python path
-    below and files them. ``seq``: see ``after_base``."""
+    ``native``: the call runs in ``flashdora.native``'s C++ forward once that holds the launch plans of its kernels;
+    the call that finds none runs the Triton path below and files them. ``seq``: see ``after_base``."""
+    if impl is None:
+        impl = dispatch.compose_impl(result, bias, lx_base is not None)
     unplanned = False
-    if (lx_base is None or bias is None) and result.is_cuda and native.enabled() and backend.use_triton(result):
-        mod = _native if _native is not None else _load_native()
-        if mod is not False and not (torch.is_grad_enabled() and backend.functorch_active()):
-            y = mod.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
-            if y is not None and y is not False:
-                backend.count("triton")
-                if torch.is_grad_enabled():
-                    backend.count("native")
-                return y
-            unplanned = y is False
-    y = _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
+    if impl == "native":
+        y = native._adopted.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
+        if y is not None and y is not False:
+            backend.count("triton")
+            if torch.is_grad_enabled():
+                backend.count("native")
+            return y
+        unplanned = y is False
+    y = _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if unplanned:
         _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
     return y
@@ -281,40 +292,21 @@ def after_base() -> int:
 _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # private: gated in after_base
 
 
-def _compose_python(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq=-1) -> Tensor:
+def _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq=-1) -> Tensor:
     device_type = result.device.type
     autocast = torch.is_autocast_enabled(device_type)
     cd = _compute_dtype(device_type, lora_A, autocast)
     a = _lora_a(lx, lora_A, cd, autocast)  # [..., r]
+    triton = impl != "eager"
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
-        return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, backend.use_triton(result))[0]
-    if backend.functorch_active():
-        return ComposeFunction.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
+        return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, triton)[0]
     if seq >= 0 and a.grad_fn is not None:
         a.grad_fn._set_sequence_nr(seq)
-    if result.is_cuda and magnitude.requires_grad:
+    if impl == "native" and magnitude.requires_grad:
         y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
         if y is not None:
             return y
-    return _APPLY(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd)
-
-
-_native = None  # flashdora.native's extension once loaded (on the first call switched on); False: its build failed
-
-
-def _load_native():
-    """The extension, or ``False`` for this call: still building in the background, built but not adopted yet (a
-    call without grad adopts it: ``native.module``), or its build failed (kept: never asked again)."""
-    global _native
-    mod = native.module(wait=False)
-    if mod is None:
-        native.adopt_without_grad()
-        mod = native.module(wait=False)
-    if mod is not None:
-        _native = mod
-    elif native.failed():
-        _native = False
-    return mod or False
+    return _apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd, triton)
 
 
 def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base=None) -> None:
@@ -332,31 +324,24 @@ def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
         b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
     plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train, lx_base)
     if plan is not None:
-        _native.register_forward(result, a, b, scales, bias, train, *plan, lx_base=lx_base)
+        native._adopted.register_forward(result, a, b, scales, bias, train, *plan, lx_base=lx_base)
 
 
 def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base=None):
-    """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node, or ``None`` where that
-    does not apply: switched off, no Triton, no built extension, a trainable bias (or any bias with dropout's
-    ``lx_base``, which PEFT's exact form never passes), or a backward kernel not compiled yet (the Python path's
-    first backward compiles it). The first call switched on starts the node's build in the background (``None``
-    until it is ready: the Python path runs meanwhile)."""
-    if not native.enabled() or not backend.use_triton(result):
-        return None
-    if bias is not None and (bias.requires_grad or lx_base is not None):
-        return None
-    if (_native if _native is not None else _load_native()) is False:
-        return None
+    """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node (the route is
+    ``native``: the extension is adopted, the bias rule holds), or ``None`` while the backward kernel is not compiled
+    yet (the Python path's first backward compiles it)."""
+    mod = native._adopted
     kc = _kc or _import_kernels()
     n = result.shape[-1]
     has_lx = lx_base is not None
     plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
     if plan is None:
         return None
-    _native.register_backward(result, scales, *plan, has_lx_base=has_lx)  # (the C++ forward takes the next call)
+    mod.register_backward(result, scales, *plan, has_lx_base=has_lx)  # (the C++ forward takes the next call)
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, cd)
     y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=True)
-    _native.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan, lx_base=lx_base)
+    mod.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan, lx_base=lx_base)
     return y

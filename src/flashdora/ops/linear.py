@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashdora import _checks, backend
-from flashdora.ops.compose import compose
-from flashdora.ops.norm_cache import dora_scales
+from flashdora import _checks, backend, dispatch
+from flashdora.ops.compose import run_compose
+from flashdora.ops.norm_cache import NormCache, dora_scales
 
 
 def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=None) -> torch.Tensor:
@@ -75,20 +75,22 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
                 f"{fn}: lora_x expected dtype {x.dtype} (the dtype of x, outside autocast), got {lora_x.dtype}"
             )
     scaling = _checks.scaling(fn, scaling)
-    if x.is_meta or weight.is_meta:  # shapes only: the plain-torch formula gives them
+    if x.is_meta or weight.is_meta or backend.functorch_active():
+        # shapes only, or a torch.func transform: the plain-torch formula, which composes with all of them
+        route = dispatch.linear_route(x, weight, bias, lora_A, lora_B, magnitude, None, lora_x is not None)
+        if route.compose == "peft":
+            backend.count("fallback:torch.func")
+            backend.warn_once("torch.func", "flashdora: dora_linear under a torch.func transform runs plain torch ops")
         from flashdora.reference import dora_linear_ref
 
         return dora_linear_ref(x, weight, bias, lora_A, lora_B, magnitude, scaling, lora_x)
-    if backend.functorch_active():  # torch.func transforms: the plain-torch formula, which composes with all of them
-        backend.count("fallback:torch.func")
-        backend.warn_once("torch.func", "flashdora: dora_linear under a torch.func transform runs plain torch ops")
-        from flashdora.reference import dora_linear_ref
-
-        return dora_linear_ref(x, weight, bias, lora_A, lora_B, magnitude, scaling, lora_x)
-
-    scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling)
     result = F.linear(x, weight, bias)
+    route = dispatch.linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, lora_x is not None)
+    if route.compose == "traced":
+        scales = dora_scales(weight, lora_A, lora_B, magnitude, scaling)
+    else:
+        scales = NormCache.lookup(weight, lora_A, lora_B, magnitude, scaling, -1, impl=route.norm)
     if lora_x is None:
-        return compose(result, x, lora_A, lora_B, magnitude, scales, scaling, bias=bias)
+        return run_compose(route.compose, result, x, lora_A, lora_B, magnitude, scales, scaling, bias=bias)
     lx_base = F.linear(lora_x, weight)
-    return compose(result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=lx_base)
+    return run_compose(route.compose, result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=lx_base)

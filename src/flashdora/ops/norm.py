@@ -144,13 +144,15 @@ def scales_on(magnitude, norm, triton: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fresh(weight, lora_A, lora_B, magnitude, scaling, triton: bool, w_sq=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A newly computed ``(norm, scales)``; on the Triton path the norm's finish and the scales are one launch."""
-    if triton:
+def fresh(weight, lora_A, lora_B, magnitude, scaling, impl: str, w_sq=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A newly computed ``(norm, scales)`` by ``impl`` (``dispatch.norm_impl``: ``eager``, ``triton``, ``native``); on
+    the Triton path the norm's finish and the scales are one launch. ``native`` replays the Triton launches from C++
+    once planned (with ``w_sq`` given: a cache miss)."""
+    if impl != "eager":
         from flashdora.kernels.norm import norm_and_scales
 
         backend.count("norm:triton")
-        mod = _native_module(weight) if w_sq is not None else None
+        mod = native._adopted if impl == "native" and w_sq is not None else None
         if mod is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
         from flashdora.kernels import norm_small
@@ -180,11 +182,3 @@ def _register_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
         return False
     (mod.register_norm_small if small else mod.register_norm)(weight, lora_A, lora_B, magnitude, *plan)
     return True
-
-
-def _native_module(weight):
-    """``flashdora.native``'s extension for a cache miss on ``weight`` (its ``norm_scales``: the same launches as
-    ``norm_and_scales`` from C++, a fraction of the host time), or ``None``: CPU, switched off, still building."""
-    if not weight.is_cuda or not native.enabled():
-        return None
-    return native.module(wait=False)

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from flashdora import backend, config
+from flashdora import backend, config, dispatch
 from flashdora.layers import dequantized
 from flashdora.ops.cache_streams import capturing, in_tree_pool, join, made_on, stream_now
 from flashdora.ops.norm import fresh, scales_on, weight_sq
@@ -164,11 +164,11 @@ class _Entries(dict):
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None) -> torch.Tensor:
+def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None, impl=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
     weight = weight if quantized is None else dequantized(quantized, weight, dtype)
-    triton = not weight.is_meta and backend.use_triton(weight, lora_A, lora_B, magnitude)
-    return fresh(weight, lora_A, lora_B, magnitude, scaling, triton)[1]
+    impl = impl or dispatch.norm_impl(weight, lora_A, lora_B, magnitude)
+    return fresh(weight, lora_A, lora_B, magnitude, scaling, impl)[1]
 
 
 class NormCache:
@@ -187,30 +187,33 @@ class NormCache:
         return id(owner)
 
     @classmethod
-    def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int) -> torch.Tensor:
+    def lookup(cls, weight, lora_A, lora_B, magnitude, scaling: float, cache_id: int, impl=None) -> torch.Tensor:
         """``scales(magnitude, norm)`` for this layer, recomputing only what its weights' versions invalidate; as the
         compiled op calls it (nothing stored during a cudagraph trees warm-up: ``cache_streams``)."""
         owner = cls._owners.get(cache_id) if cache_id >= 0 else None
-        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner, compiled=True)
+        return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner, compiled=True, impl=impl)
 
     @classmethod
     def lookup_owner(
-        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None, compiled=False
+        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None, compiled=False,
+        impl=None,
     ) -> torch.Tensor:
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
         miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernels), runs
         the 16-bit norm on it and frees it. ``dtype``: the layer input's dtype, which an 8-bit weight is dequantized to
-        (as PEFT's DoRA casts it)."""
+        (as PEFT's DoRA casts it). ``impl``: what a miss runs (the route's ``norm``; ``None``: routed here)."""
+        if impl is None:
+            impl = dispatch.norm_impl(weight, lora_A, lora_B, magnitude, quantized is not None)
         if owner is None or weight.is_meta or not cache_enabled():
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         try:
             keys = _keys(weight, lora_A, lora_B, magnitude)
         except RuntimeError:  # inference tensors have no version counter: nothing to key an entry on
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         if None in keys:  # an FSDP2 parameter gathered before its shard's last write
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         w_key, a_key, b_key, m_key = keys
         cache = owner.__dict__.get("_flashdora_cache")
         if cache is None:
@@ -222,7 +225,7 @@ class NormCache:
             return cache["scales"]
         if weight.is_cuda and (in_tree_pool(weight.get_device()) if compiled else capturing()):
             # inside a CUDA graph (or allocating to its pool): computed where it runs, kept nowhere (cache_streams)
-            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+            return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         if cache.get("streams") is not None:
             _usable(cache)  # a miss may reuse the entry's ||W||^2 or norm
         # Entries are made outside autograd (the inputs may be parameters) and outside inference mode (an inference
@@ -232,8 +235,8 @@ class NormCache:
         try:
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
-                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
-            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype)
+                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
+            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         finally:
             _set_grad_enabled(grad)
 
@@ -254,24 +257,21 @@ def _usable(cache) -> bool:
 
 
 def _update(
-    cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None
+    cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None, impl="eager"
 ) -> torch.Tensor:
     if cache.get("norm_key") == key:  # only the magnitude moved
         backend.count("norm:cached")
-        cache["scales"] = scales_on(magnitude, cache["norm"], backend.use_triton(lora_A, lora_B, magnitude))
+        cache["scales"] = scales_on(magnitude, cache["norm"], impl != "eager")
     else:
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps that did not touch it
         w_key = (key[0], _events, _last_step(weight))
         new_sq = cache.get("w_sq_key") != w_key
-        if quantized is None:
-            triton = backend.use_triton(weight, lora_A, lora_B, magnitude)
-        else:  # (a dequantized weight is never float64: the adapters decide)
-            triton = backend.use_triton(lora_A, lora_B, magnitude)
+        if quantized is not None:
             weight = dequantized(quantized, weight, dtype)  # the 16-bit weight the forward computes with, freed after
         if new_sq:
             backend.count("norm:base_sq")
-            cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, triton), w_key
-        cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, triton, cache["w_sq"])
+            cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, impl != "eager"), w_key
+        cache["norm"], cache["scales"] = fresh(weight, lora_A, lora_B, magnitude, scaling, impl, cache["w_sq"])
         cache["norm_key"] = key
     cache["device"], cache["streams"] = made_on(magnitude)  # (before the key that lets a hit read them)
     cache["scales_key"] = full_key

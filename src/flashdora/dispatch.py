@@ -1,0 +1,144 @@
+"""The one place a DoRA layer call is routed.
+
+``layer_route`` decides, once per call of a PEFT DoRA Linear layer, from the settings (``config``) and the call's
+state, which code computes it; ``flashdora_route`` does the same for the public ``dora_linear``. The ``Route`` is
+passed down: the compose, the norm cache and the kernels below run what it names and never ask again. ``explain``
+gives ``report()`` the route a layer last took (or would take now). docs/design.md, "Routes", lists every route
+(tests/test_routes.py and the test session's end check that no other is ever taken: ``SEEN``).
+
+| field | values |
+|---|---|
+| ``compose`` | ``peft`` (PEFT's own forward, ``why`` says why), ``meta`` (shapes only: PEFT's ops), ``traced`` (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their launch plans) |
+| ``norm`` | what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once planned), ``-`` (not flashdora's) |
+| ``base`` | how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a bitsandbytes layer's own call), ``bnb`` (``bnb_base``: bitsandbytes' ops without its Python) |
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashdora import backend, config, native
+
+COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native")
+NORM = ("-", "eager", "triton", "native")
+BASE = ("module", "layer", "bnb")
+
+
+class Route(NamedTuple):
+    compose: str
+    norm: str
+    base: str
+    why: str | None = None
+
+    def __str__(self) -> str:
+        if self.compose == "peft":
+            return f"peft:{self.why}"
+        return f"{self.compose}/{self.norm}/{self.base}"
+
+
+SEEN: set[tuple[str, str, str]] = set()  # every (compose, norm, base) taken in this process (the route table's test)
+_ROUTES: dict[tuple, Route] = {}  # interned routes: one tuple per kind, built once
+
+
+def _route(compose: str, norm: str, base: str, why: str | None = None) -> Route:
+    key = (compose, norm, base, why)
+    route = _ROUTES.get(key)
+    if route is None:
+        route = _ROUTES[key] = Route(compose, norm, base, why)
+        SEEN.add((compose, norm, base))
+    return route
+
+
+def native_ready() -> bool:
+    """Whether the C++ extension is built and adopted (``native.module(wait=False)``; a call without grad adopts a
+    finished build, a quiet point)."""
+    if native._adopted is not None:
+        return True
+    if not config.native_on:
+        return False
+    if native.module(wait=False) is None:
+        native.adopt_without_grad()
+    return native._adopted is not None
+
+
+def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False) -> str:
+    """``eager``, ``triton`` or ``native`` for an eager compose producing ``result``. The C++ side takes no bias with
+    dropout's ``lx_base`` (PEFT's exact form never passes both) and no trainable bias."""
+    if not backend.use_triton(result):
+        return "eager"
+    if bias is not None and (has_lx_base or bias.requires_grad):
+        return "triton"
+    if result.is_cuda and config.native_on and native_ready():
+        return "native"
+    return "triton"
+
+
+def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False) -> str:
+    """What a norm-cache miss of this layer runs: ``eager``, ``triton`` or ``native``. A dequantized weight is never
+    float64: its adapters decide."""
+    tensors = (lora_A, lora_B, magnitude) if quantized else (weight, lora_A, lora_B, magnitude)
+    if weight.is_meta or not backend.use_triton(*tensors):
+        return "eager"
+    return "native" if weight.is_cuda and config.native_on and native_ready() else "triton"
+
+
+def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result) -> str | None:
+    """Why this call runs PEFT's own forward, or ``None``. The order is ``report()``'s (``layers.unsupported_reason``
+    gives the static part)."""
+    from flashdora.layers import hooked_adapter, is_bnb, reason
+
+    why = reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
+    if why is None and (hook := hooked_adapter(module, adapter)) is not None:
+        why = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights
+    if why is None and backend.functorch_active():
+        why = "torch.func"  # grad/vmap/jvp: PEFT's plain torch ops compose with every transform
+    if why is None and x.device != result.device:
+        why = "devices:input"
+    if why is None and torch.compiler.is_compiling() and is_bnb(base):
+        why = "quantized:compile"
+    if why is None and not config.peft_tested():
+        why = "peft-version"  # PEFT's private surface (config.TESTED)
+    return why
+
+
+def layer_route(
+    module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result, base_kind, bias, has_lx_base
+) -> Route:
+    """The route of one call of a PEFT DoRA Linear layer's ``adapter`` (after its base layer ran: ``base_kind``)."""
+    why = fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result)
+    if x.is_meta or weight.is_meta:  # shapes only (meta-device initialisation): PEFT's ops, not a fallback
+        route = _route("meta", "-", base_kind)
+    elif why is not None:
+        route = _route("peft", "-", base_kind, why)
+    elif torch.compiler.is_compiling():
+        route = _route("traced", "triton" if backend.use_triton(result) else "eager", base_kind)
+    else:
+        quantized = base_kind != "module"
+        compose = compose_impl(result, bias, has_lx_base)
+        route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized), base_kind)
+    routes = module.__dict__.get("_flashdora_routes")
+    if routes is None:
+        routes = module.__dict__["_flashdora_routes"] = {}
+    routes[adapter] = route
+    return route
+
+
+def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base: bool) -> Route:
+    """The route of one ``dora_linear`` call (validated inputs; ``result``: ``x W^T + bias``, ``None`` under meta
+    tensors or a ``torch.func`` transform, which take the reference before it is computed)."""
+    if x.is_meta or weight.is_meta:
+        return _route("meta", "-", "module")
+    if backend.functorch_active():
+        return _route("peft", "-", "module", "torch.func")  # (the plain-torch reference: composes with transforms)
+    if torch.compiler.is_compiling():
+        return _route("traced", "triton" if backend.use_triton(x, weight) else "eager", "module")
+    compose = compose_impl(result, bias, has_lx_base)
+    return _route(compose, norm_impl(weight, lora_A, lora_B, magnitude), "module")
+
+
+def explain(module, adapter: str) -> str:
+    """The route ``module``'s ``adapter`` took at its last call, for ``report()``: ``str(Route)``, or ``not run``."""
+    route = module.__dict__.get("_flashdora_routes", {}).get(adapter)
+    return "not run" if route is None else str(route)
