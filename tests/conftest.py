@@ -58,6 +58,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Every route a call took in this session is in docs/design.md's route table (tests/test_routes.py)."""
+    from flashdora import dispatch
+    from tests.test_routes import unlisted
+
+    bad = unlisted(dispatch.SEEN)
+    if bad:
+        print(f"\nflashdora: routes taken that docs/design.md's route table does not list: {sorted(bad)}")
+        session.exitstatus = 1
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_clean_state(monkeypatch):
     torch.manual_seed(0)

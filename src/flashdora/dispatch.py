@@ -138,7 +138,13 @@ def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base
     return _route(compose, norm_impl(weight, lora_A, lora_B, magnitude), "module")
 
 
+def last_route(module, adapter: str) -> Route | None:
+    """The route ``module``'s ``adapter`` took at its last call (``None``: not run yet)."""
+    return module.__dict__.get("_flashdora_routes", {}).get(adapter)
+
+
 def explain(module, adapter: str) -> str:
-    """The route ``module``'s ``adapter`` took at its last call, for ``report()``: ``str(Route)``, or ``not run``."""
-    route = module.__dict__.get("_flashdora_routes", {}).get(adapter)
+    """``report()``'s route column: ``compose/norm/base`` of the last call (``dispatch.COMPOSE``, ``NORM``,
+    ``BASE``), ``peft:<why>``, or ``not run``."""
+    route = last_route(module, adapter)
     return "not run" if route is None else str(route)

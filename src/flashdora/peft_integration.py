@@ -22,7 +22,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import backend, dispatch, peft_layers, watch
+from flashdora import backend, config, dispatch, peft_layers, watch
 from flashdora.layers import base_layer, dequantized, is_bnb, param, unsupported_reason
 from flashdora.ops.compose import run_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
@@ -244,7 +244,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
         if isinstance(module, LoraLayer):
             module.__dict__["_flashdora_dropout"] = dropout
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
-    peft_layers.swap_linear_class(model, True)
+    peft_layers.swap_linear_class(model, config.peft_tested())  # (PEFT's private surface: tested versions only)
     watch_writes(model, True)
     watch.watch_fsdp()
     warn_if_nothing_to_enable(model)  # one UserWarning naming what it found when no layer has use_dora=True
@@ -273,9 +273,10 @@ def patch_peft(*, dropout: str = "exact") -> None:
     global _patch_dropout
     _patch_dropout = _dropout_mode("patch_peft", dropout)
     _PEFT_DORA.forward = _FLASH_STATIC
-    PeftLinear.forward = peft_layers.lean_forward
-    PeftLinear._cast_input_dtype = peft_layers.cast_input_dtype
-    peft_layers.patch_bnb(True)
+    if config.peft_tested():  # (PEFT's private surface: tested versions only; elsewhere its layers call the variant)
+        PeftLinear.forward = peft_layers.lean_forward
+        PeftLinear._cast_input_dtype = peft_layers.cast_input_dtype
+        peft_layers.patch_bnb(True)
     for cls in _OTHER_DORA:
         if "_flashdora_peft_forward" not in cls.__dict__:
             counting = _counting(cls)  # captures PEFT's forward before it is replaced
@@ -307,7 +308,9 @@ def is_patched() -> bool:
 
 
 def layer_path(module: LoraLayer, adapter: str) -> str:
-    """The path a DoRA adapter of ``module`` takes now: ``flashdora:<backend>``, ``peft`` or ``peft:<reason>``."""
+    """The path a DoRA adapter of ``module`` takes: ``flashdora:<compose>`` (the compose of the route its last call
+    took, ``dispatch``; before any call, the one it would take on its weight's device), ``peft`` or
+    ``peft:<reason>``."""
     kind = type(module.lora_variant.get(adapter))
     if kind in _OTHER_DORA or kind in _counting_classes.values():
         return f"peft:{_OTHER_DORA.get(kind) or _OTHER_DORA[kind.__mro__[1]]}"
@@ -316,6 +319,9 @@ def layer_path(module: LoraLayer, adapter: str) -> str:
     reason = unsupported_reason(module, adapter)
     if reason is not None:
         return f"peft:{reason}"
+    route = dispatch.last_route(module, adapter)
+    if route is not None:
+        return f"peft:{route.why}" if route.compose == "peft" else f"flashdora:{route.compose}"
     weight = module.get_base_layer().weight
     return "flashdora:triton" if backend.use_triton(weight) else "flashdora:eager"
 
