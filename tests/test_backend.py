@@ -140,7 +140,11 @@ def test_tensors_off_the_current_device_run_eager(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, setting",
-    [("FLASHDORA_NORM_CACHE", "norm_cache"), ("FLASHDORA_NATIVE", "native"), ("FLASHDORA_STATIC_LAUNCH", "static_launch")],
+    [
+        ("FLASHDORA_NORM_CACHE", "norm_cache"),
+        ("FLASHDORA_NATIVE", "native"),
+        ("FLASHDORA_STATIC_LAUNCH", "static_launch"),
+    ],
 )
 def test_switches_reject_unknown_values(name, setting, monkeypatch):
     """Every on/off switch takes the documented spellings, defaults when unset or empty, and names itself and the

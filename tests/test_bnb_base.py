@@ -179,7 +179,6 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
     """The dense weight a 4-bit forward holds for the miss is refused once the packed weight is written in place
     (a new version), and nothing stays held after a layer call that raised past the base result (as checkpointing's
     early stop does)."""
-    from flashdora import peft_integration
 
     model = qdora_model()
     flashdora.enable(model)
@@ -191,7 +190,7 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
         assert fresh and torch.equal(bnb_base.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)
         assert bnb_base.held(packed, state) is None
-    monkeypatch.setattr(peft_integration, "flash_forward", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(flashdora.variant, "flash_forward", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError), torch.no_grad():
         model(input_ids=make_ids(256))
     assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_base._held is None

@@ -13,7 +13,6 @@ import torch
 
 import flashdora
 from flashdora import bnb_base, dispatch, native
-from flashdora.ops import compose
 from tests.peft_models import make_ids
 from tests.qdora_models import int8_bf16_model, qdora_model
 

@@ -95,7 +95,10 @@ def test_bad_options_fail_at_once_naming_the_option(argv, message, capsys, no_co
 
 def test_an_unknown_option_from_the_shell_prints_two_lines():
     proc = subprocess.run(
-        [sys.executable, "-m", "flashdora.cli", "bench", "model", "--bogus"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "flashdora.cli", "bench", "model", "--bogus"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
@@ -167,6 +170,7 @@ def test_bench_on_the_cpu_says_so_first_and_announces_the_result_folder(monkeypa
     )
     assert lines[1] == f"flashdora bench model: result files go to {(tmp_path / 'r').resolve()}/"
     assert main(["bench", "layer", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.splitlines()[0].startswith("flashdora bench layer: running on the CPU (--device cpu)")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("flashdora bench layer: running on the CPU (--device cpu)")
     assert main(["demo", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == ""  # the demo writes no files and says on its own where it ran

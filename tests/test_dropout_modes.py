@@ -9,7 +9,6 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import flashdora
-from flashdora import peft_integration
 from tests.peft_models import llama, make_ids, unpatched  # noqa: F401 (fixture)
 
 
@@ -133,11 +132,11 @@ def test_exact_mode_is_peft_in_training():
 def test_patch_peft_takes_a_mode_and_enable_overrides_it():
     model, layer = _layer(torch.float64)
     flashdora.patch_peft(dropout="adapter")
-    assert peft_integration._patch_dropout == "adapter"
+    assert flashdora.variant._patch_dropout == "adapter"
     flashdora.enable(model)  # the model's own mode: exact
     assert layer.__dict__["_flashdora_dropout"] == "exact"
     flashdora.unpatch_peft()
-    assert peft_integration._patch_dropout == "exact"
+    assert flashdora.variant._patch_dropout == "exact"
 
 
 @pytest.mark.parametrize("call", ["enable", "patch_peft"])

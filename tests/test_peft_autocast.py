@@ -48,24 +48,19 @@ def _bf16_model_fp32_adapters(dropout):
 
 def _seen_lora_inputs(model, run):
     """The dtypes of ``x`` that flashdora's variant receives while ``run()`` runs."""
-    from flashdora import peft_integration
+    from flashdora import variant
 
-    seen, originals = [], {name: getattr(peft_integration, name) for name in ("compose", "compose_eager")}
+    seen, original = [], variant.run_compose
 
-    def spying(original):
-        def spy(result, lx, *args, **kwargs):
-            seen.append(lx.dtype)
-            return original(result, lx, *args, **kwargs)
+    def spy(impl, result, lx, *args, **kwargs):
+        seen.append(lx.dtype)
+        return original(impl, result, lx, *args, **kwargs)
 
-        return spy
-
-    for name, original in originals.items():
-        setattr(peft_integration, name, spying(original))
+    variant.run_compose = spy
     try:
         run()
     finally:
-        for name, original in originals.items():
-            setattr(peft_integration, name, original)
+        variant.run_compose = original
     return seen
 
 

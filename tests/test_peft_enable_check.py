@@ -13,8 +13,14 @@ from tests.peft_models import llama
 
 def _tiny_llama():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -23,7 +29,9 @@ def _enable_warnings(model):
         warnings.simplefilter("always")
         returned = flashdora.enable(model)
     assert returned is model
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "flashdora.enable" in str(w.message)]
+    return [
+        str(w.message) for w in caught if issubclass(w.category, UserWarning) and "flashdora.enable" in str(w.message)
+    ]
 
 
 def test_lora_without_dora_warns_with_the_counts():

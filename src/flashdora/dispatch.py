@@ -6,11 +6,16 @@ passed down: the compose, the norm cache and the kernels below run what it names
 gives ``report()`` the route a layer last took (or would take now). docs/design.md, "Routes", lists every route
 (tests/test_routes.py and the test session's end check that no other is ever taken: ``SEEN``).
 
-| field | values |
-|---|---|
-| ``compose`` | ``peft`` (PEFT's own forward, ``why`` says why), ``meta`` (shapes only: PEFT's ops), ``traced`` (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their launch plans) |
-| ``norm`` | what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once planned), ``-`` (not flashdora's) |
-| ``base`` | how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a bitsandbytes layer's own call), ``bnb`` (``bnb_base``: bitsandbytes' ops without its Python) |
+Fields:
+
+- ``compose``: ``peft`` (PEFT's own forward, ``why`` says why), ``meta`` (shapes only: PEFT's ops), ``traced``
+  (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the
+  Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their
+  launch plans).
+- ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
+  planned), ``-`` (not flashdora's).
+- ``base``: how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a
+  bitsandbytes layer's own call), ``bnb`` (``bnb_base``: bitsandbytes' ops without its Python).
 """
 
 from __future__ import annotations

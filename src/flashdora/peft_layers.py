@@ -21,8 +21,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
-from flashdora import bnb_base
-from flashdora import peft_integration as _pi  # (a cycle: read at call time)
+from flashdora import bnb_base, variant
 from flashdora.layers import hooked_adapter
 from flashdora.layers import is_bnb as _bnb
 from flashdora.layers import param as _param
@@ -64,9 +63,9 @@ def cast_input_dtype(self, x, dtype: torch.dtype):
                 if adapter in self._modules["lora_A"]._modules:
                     break  # a vanilla LoRA adapter: PEFT's own path
                 continue
-            if not _pi._runs_flashdora(type(variants_[adapter])) or hooked_adapter(self, adapter) is not None:
+            if not variant._runs_flashdora(type(variants_[adapter])) or hooked_adapter(self, adapter) is not None:
                 break  # (a layer with hooks on its adapter modules runs PEFT's forward, on PEFT's input)
-            if training and not isinstance(dropouts[adapter], nn.Identity) and _pi.dropout_mode(self) != "adapter":
+            if training and not isinstance(dropouts[adapter], nn.Identity) and variant.dropout_mode(self) != "adapter":
                 break
         else:
             return x
@@ -102,7 +101,7 @@ def plain_active(self, args, kwargs) -> str | None:
         or active not in self._modules["lora_A"]._modules
     ):  # fmt: skip
         return None
-    return active if _pi._runs_flashdora(type(self.lora_variant.get(active))) else None
+    return active if variant._runs_flashdora(type(self.lora_variant.get(active))) else None
 
 
 def lean_forward(self, x, *args, **kwargs):
@@ -125,7 +124,7 @@ def _adapt(self, active, x, result, seq, base_kind):
     """``lean_forward`` after the base layer: PEFT's cast of ``x``, the variant, the result in the base's dtype."""
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(self._modules["lora_A"]._modules[active], "weight").dtype)
-    result = _pi.flash_forward(self, active, x, result, seq, base_kind)
+    result = variant.flash_forward(self, active, x, result, seq, base_kind)
     return result if result.dtype == dtype else result.to(dtype)
 
 
@@ -153,10 +152,10 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
             result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
         base_kind = "bnb" if fresh else "layer"
         if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
-            return _pi.flash_forward(self, active, x, result, seq, base_kind)
+            return variant.flash_forward(self, active, x, result, seq, base_kind)
         dtype = result.dtype
         x = self._cast_input_dtype(x, _param(mods["lora_A"]._modules[active], "weight").dtype)
-        return _pi.flash_forward(self, active, x, result, seq, base_kind).to(dtype)
+        return variant.flash_forward(self, active, x, result, seq, base_kind).to(dtype)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 

@@ -44,8 +44,9 @@ def report(model: nn.Module, *, print_table: bool = True) -> str:
     Paths: ``flashdora:<compose>`` (``native``: C++ over the Triton kernels, ``triton``, ``eager``, ``traced``: inside
     ``torch.compile``), ``peft`` (flashdora off for it), ``peft:<reason>`` (not handled: the reason says why). Route:
     what the layer's last call ran, ``compose/norm/base`` (the norm: what a cache miss runs; the base: ``module``, a
-    bitsandbytes ``layer``'s own call, or ``bnb``, flashdora's call of bitsandbytes' ops), or ``not run``. Dropout: ``-`` (none), ``p=<p> exact`` (PEFT's function) or ``p=<p> adapter``
-    (``enable(..., dropout="adapter")``). Returns the text; prints it (through rich when installed) unless
+    bitsandbytes ``layer``'s own call, or ``bnb``, flashdora's call of bitsandbytes' ops), or ``not run``. Dropout:
+    ``-`` (none), ``p=<p> exact`` (PEFT's function) or ``p=<p> adapter`` (``enable(..., dropout="adapter")``).
+    Returns the text; prints it (through rich when installed) unless
     ``print_table=False``.
     """
     if not isinstance(model, nn.Module):

@@ -238,7 +238,8 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None
     path); compiled graphs plain torch ops. ``seq``: see ``after_base`` (eager calls only).
     """
     impl = "traced" if torch.compiler.is_compiling() else dispatch.compose_impl(result, bias, lx_base is not None)
-    return run_compose(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=bias, lx_base=lx_base, seq=seq)
+    args = (result, lx, lora_A, lora_B, magnitude, scales, scaling)
+    return run_compose(impl, *args, bias=bias, lx_base=lx_base, seq=seq)
 
 
 def run_compose(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None, seq=-1):

@@ -195,9 +195,9 @@ class NormCache:
 
     @classmethod
     def lookup_owner(
-        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner, quantized=None, dtype=None, compiled=False,
-        impl=None,
-    ) -> torch.Tensor:
+        cls, weight, lora_A, lora_B, magnitude, scaling: float, owner,
+        quantized=None, dtype=None, compiled=False, impl=None,
+    ) -> torch.Tensor:  # fmt: skip
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
@@ -233,10 +233,11 @@ class NormCache:
         grad = torch.is_grad_enabled()
         _set_grad_enabled(False)
         try:
+            args = (cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
-                    return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
-            return _update(cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
+                    return _update(*args)
+            return _update(*args)
         finally:
             _set_grad_enabled(grad)
 
