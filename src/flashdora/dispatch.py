@@ -117,8 +117,8 @@ def layer_route(
         route = _route("meta", "-", base_kind)
     elif why is not None:
         route = _route("peft", "-", base_kind, why)
-    elif torch.compiler.is_compiling():
-        route = _route("traced", "triton" if backend.use_triton(result) else "eager", base_kind)
+    elif torch.compiler.is_compiling():  # (the norm: decided inside the cache's custom op when it runs)
+        route = _route("traced", "triton" if result.is_cuda else "eager", base_kind)
     else:
         quantized = base_kind != "module"
         compose = compose_impl(result, bias, has_lx_base)
@@ -137,8 +137,8 @@ def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base
         return _route("meta", "-", "module")
     if backend.functorch_active():
         return _route("peft", "-", "module", "torch.func")  # (the plain-torch reference: composes with transforms)
-    if torch.compiler.is_compiling():
-        return _route("traced", "triton" if backend.use_triton(x, weight) else "eager", "module")
+    if torch.compiler.is_compiling():  # (the norm: decided inside the cache's custom op when it runs)
+        return _route("traced", "triton" if x.is_cuda else "eager", "module")
     compose = compose_impl(result, bias, has_lx_base)
     return _route(compose, norm_impl(weight, lora_A, lora_B, magnitude), "module")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import native
+from flashdora import dispatch, native
 from flashdora.kernels import norm as kn
 from flashdora.kernels import norm_small
 from flashdora.kernels.norm_small import MAX_R
@@ -104,10 +104,14 @@ def test_gpu_cache_misses_run_in_cpp_with_the_python_paths_results(ext, monkeypa
     weight, lora_A, lora_B, magnitude, w_sq = _layer(2048, 1024, 32, torch.bfloat16, torch.float32)
     _use(ext, monkeypatch)
     monkeypatch.setenv("FLASHDORA_NATIVE", "0")
-    want = ops_norm.fresh(weight, lora_A, lora_B, magnitude, 0.5, True, w_sq)
+    want = ops_norm.fresh(
+        weight, lora_A, lora_B, magnitude, 0.5, dispatch.norm_impl(weight, lora_A, lora_B, magnitude), w_sq
+    )
+    assert dispatch.norm_impl(weight, lora_A, lora_B, magnitude) == "triton"
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    assert dispatch.norm_impl(weight, lora_A, lora_B, magnitude) == "native"
     flashdora.reset_stats()
-    got = [ops_norm.fresh(weight, lora_A, lora_B, magnitude, 0.5, True, w_sq) for _ in range(3)]
+    got = [ops_norm.fresh(weight, lora_A, lora_B, magnitude, 0.5, "native", w_sq) for _ in range(3)]
     assert flashdora.stats().get("norm:native") == 2 and flashdora.stats()["norm:triton"] == 3
     for norm, scales in got:
         torch.testing.assert_close(norm, want[0], rtol=0, atol=0)
