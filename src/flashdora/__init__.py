@@ -21,6 +21,7 @@ _EXPORTS = {
     "reset_stats": "flashdora.backend",
     "report": "flashdora.report",
     "invalidate": "flashdora.ops.norm_cache",
+    "double_backward": "flashdora.ops.compose_grad2",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

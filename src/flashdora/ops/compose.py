@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashdora import backend, native
+from flashdora.ops import compose_grad2 as _grad2
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -157,11 +158,7 @@ def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, tr
     return out
 
 
-DOUBLE_BACKWARD = (
-    "flashdora: the DoRA compose's backward does not build a graph of its own (create_graph=True, double backward): "
-    "its scales are constants there, so second-order gradients would be wrong. Run such code on PEFT's DoRA "
-    "(flashdora.disable(model))"
-)
+DOUBLE_BACKWARD = _grad2.REFUSED  # (second order: ops/compose_grad2.py, after a forward under double_backward())
 
 
 class ComposeFunction(torch.autograd.Function):
@@ -182,7 +179,7 @@ class ComposeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():  # create_graph=True: the scales are constants here, as in DoRA's backward
+        if torch.is_grad_enabled():  # create_graph=True: inner has no edges here (ComposeGrad2 keeps them)
             raise RuntimeError(DOUBLE_BACKWARD)
         a, inner = ctx.saved_tensors
         scaling, has_lx_base, has_bias, lora_B, b_version, scales, triton = ctx.meta
@@ -221,7 +218,8 @@ def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, comp
     if not need_m:
         return y
     m = magnitude.to(inv.dtype)
-    return y + ((m - m.detach()) * inv * inner.detach().to(inv.dtype)).to(y.dtype)  # + 0, d/dm = inner / norm
+    inner = inner if _grad2._ON else inner.detach()  # (double_backward: d/d inner gets the zero term's m edge)
+    return y + ((m - m.detach()) * inv * inner.to(inv.dtype)).to(y.dtype)  # + 0, d/dm = inner / norm
 
 
 def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, *, bias=None, lx_base=None, seq=-1) -> Tensor:
@@ -246,6 +244,8 @@ def compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=N
     On the Triton path a call runs in ``flashdora.native``'s C++ forward once that holds the launch plans of its
     kernels (dropout's ``lx_base`` with no bias, as PEFT calls it); the call that finds none runs the Python path
     below and files them. ``seq``: see ``after_base``."""
+    if _grad2._ON:  # forwards a second backward can go through (flashdora.double_backward)
+        return _grad2.compose_eager(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     unplanned = False
     if (lx_base is None or bias is None) and result.is_cuda and native.enabled() and backend.use_triton(result):
         mod = _native if _native is not None else _load_native()
