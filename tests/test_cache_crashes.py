@@ -135,10 +135,12 @@ def _second_order(fn, inputs, loss):
     return [d.detach() for d in first] + list(second)
 
 
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "double_backward"])
 @pytest.mark.parametrize("loss", ["weighted-sum", "squared"])  # the output's gradient a constant, or not
 @pytest.mark.parametrize("where", ["dora_linear", "layer"])
-def test_double_backward_raises_or_matches_peft(where, loss):
-    """Double backward: a RuntimeError is an honest answer; numbers other than PEFT's never are (float64 inputs)."""
+def test_double_backward_raises_or_matches_peft(where, loss, opt_in):
+    """Double backward: a RuntimeError is an honest answer; numbers other than PEFT's never are (float64 inputs).
+    Under ``flashdora.double_backward()`` only PEFT's numbers are."""
     if where == "dora_linear":
         args = {k: v.double() if torch.is_tensor(v) else v for k, v in dora_inputs(6, 5, 3, lead=(2, 3)).items()}
         inputs = [args[k].requires_grad_() for k in ("x", "lora_A", "lora_B", "magnitude")]
@@ -158,8 +160,11 @@ def test_double_backward_raises_or_matches_peft(where, loss):
         inputs = [x] + [layers[0].get_parameter(n).detach().clone().requires_grad_() for n in names]
     ref = _second_order(ref_fn, inputs, loss)
     try:
-        out = _second_order(out_fn, inputs, loss)
+        with flashdora.double_backward(opt_in):
+            out = _second_order(out_fn, inputs, loss)
     except RuntimeError:
+        if opt_in:
+            raise
         return
     labels = [f"{order} d/d{name}" for order in ("first", "second") for name in ("x", "lora_A", "lora_B", "magnitude")]
     for label, o, r in zip(labels, out, ref):

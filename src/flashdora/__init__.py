@@ -22,6 +22,7 @@ _EXPORTS = {
     "report": "flashdora.report",
     "invalidate": "flashdora.ops.norm_cache",
     "configure": "flashdora.config",
+    "double_backward": "flashdora.ops.compose_grad2",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

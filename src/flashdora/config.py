@@ -12,6 +12,7 @@ them as module attributes (``config.backend``, ``config.native``...): no environ
 | ``private_apis`` | ``FLASHDORA_PRIVATE_APIS`` | on | private torch/Triton/bitsandbytes internals (``private``) |
 | ``static_launch`` | ``FLASHDORA_STATIC_LAUNCH`` | on | torch's C++ launcher of Triton kernels |
 | ``autotune`` | ``FLASHDORA_AUTOTUNE`` | off | time every kernel config at a new shape |
+| ``double_backward`` | ``FLASHDORA_DOUBLE_BACKWARD`` | off | forwards a second backward can go through |
 
 Version gates (``TESTED``): private internals of a library are used only on the versions the tests cover; on any
 other version, or with ``private_apis`` off, the plain public path runs (``private``). PEFT's private surface
@@ -36,6 +37,7 @@ _SWITCHES = {  # setting: (environment variable, default)
     "private_apis": ("FLASHDORA_PRIVATE_APIS", True),
     "static_launch": ("FLASHDORA_STATIC_LAUNCH", True),
     "autotune": ("FLASHDORA_AUTOTUNE", False),
+    "double_backward": ("FLASHDORA_DOUBLE_BACKWARD", False),
 }
 NAMES = ("backend", *_SWITCHES)
 
@@ -50,7 +52,7 @@ TESTED = {
 # The settings (module attributes, set by ``_apply``), and what follows from them and the versions:
 backend = "auto"
 native = norm_cache = private_apis = static_launch = True
-autotune = False
+autotune = double_backward = False
 private = True  # private internals allowed: tested torch and Triton, and ``private_apis`` on
 native_on = True  # the C++ extension may be built and used: ``native`` and ``private``
 
@@ -142,7 +144,8 @@ def configure(**settings) -> dict:
     """Change flashdora's settings for this process; returns the settings as they were before.
 
     ``backend``: ``"auto"``, ``"triton"`` or ``"eager"``; ``native``, ``norm_cache``, ``private_apis``,
-    ``static_launch``, ``autotune``: ``True`` or ``False``. Unnamed settings keep their values. The environment
+    ``static_launch``, ``autotune``, ``double_backward`` (``flashdora.double_backward``): ``True`` or ``False``.
+    Unnamed settings keep their values. The environment
     variables of the same names (``FLASHDORA_BACKEND``...) give the values at import. Example:
     ``flashdora.configure(native=False)`` keeps every layer on the Python path from the next call on.
     """

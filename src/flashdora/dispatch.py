@@ -11,7 +11,8 @@ Fields:
 - ``compose``: ``peft`` (PEFT's own forward, ``why`` says why), ``meta`` (shapes only: PEFT's ops), ``traced``
   (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the
   Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their
-  launch plans).
+  launch plans), ``double-eager`` / ``double-triton`` (a forward with grad under ``flashdora.double_backward``: the
+  compose that a second backward can go through).
 - ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
   planned), ``-`` (not flashdora's).
 - ``base``: how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a
@@ -26,7 +27,7 @@ import torch
 
 from flashdora import backend, config, native
 
-COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native")
+COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton")
 NORM = ("-", "eager", "triton", "native")
 BASE = ("module", "layer", "bnb")
 
@@ -71,7 +72,10 @@ def native_ready() -> bool:
 def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False) -> str:
     """``eager``, ``triton`` or ``native`` for an eager compose producing ``result``. The C++ side takes no bias with
     dropout's ``lx_base`` (PEFT's exact form never passes both) and no trainable bias."""
-    if not backend.use_triton(result):
+    triton = backend.use_triton(result)
+    if config.double_backward and torch.is_grad_enabled():  # (flashdora.double_backward: ops/compose_grad2.py)
+        return "double-triton" if triton else "double-eager"
+    if not triton:
         return "eager"
     if bias is not None and (has_lx_base or bias.requires_grad):
         return "triton"

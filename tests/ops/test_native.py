@@ -77,20 +77,22 @@ def test_cpu_node_checks(ext):
 
 
 def test_double_backward_is_refused_on_both_paths(ext):
-    """The compose's backward treats the scales as constants, so a gradient of its gradient would miss the
-    magnitude's terms: the C++ node and the Python function both refuse ``create_graph=True`` (a constant upstream
-    gradient would otherwise reach no error node). Never silently wrong second-order gradients."""
+    """Neither the C++ node nor ``ComposeFunction`` keeps an edge from ``inner`` to its producers, so a gradient of
+    their gradient would miss the magnitude's second-order terms: both refuse ``create_graph=True`` (a constant
+    upstream gradient would otherwise reach no error node), with the same message, which names the opt-in
+    (``flashdora.double_backward``, tests/test_double_backward.py). Never silently wrong second-order gradients."""
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
     result, a = F.linear(x, w), F.linear(x, lora_A)
     with torch.no_grad():
         y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
     ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 1.0)
-    with pytest.raises(RuntimeError, match="does not build a graph of its own"):
+    with pytest.raises(RuntimeError) as cpp:
         torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert C.DOUBLE_BACKWARD in str(cpp.value)
     result, a = F.linear(x, w), F.linear(x, lora_A)
     y = C.ComposeFunction.apply(result, a, None, None, lora_B, mag, scales, 1.0, torch.float64, False)
-    with pytest.raises(RuntimeError, match="does not build a graph of its own"):
+    with pytest.raises(RuntimeError, match=r"flashdora.double_backward\(\)"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 

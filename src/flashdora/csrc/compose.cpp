@@ -70,10 +70,13 @@ struct ComposeBackward : public Node {
 
   // (a, inner), after the checks the Python path makes.
   std::pair<at::Tensor, at::Tensor> unpack_saved() {
+    // create_graph=True: this node keeps no edge from inner to its producers, so it refuses (ops/compose_grad2.py
+    // REFUSED, the same words); forwards under flashdora.double_backward() never take the C++ path.
     TORCH_CHECK(!at::GradMode::is_enabled(),
-                "flashdora: the DoRA compose's backward does not build a graph of its own (create_graph=True, double "
-                "backward): its scales are constants there, so second-order gradients would be wrong. Run such code "
-                "on PEFT's DoRA (flashdora.disable(model))");
+                "flashdora: a gradient of a gradient (create_graph=True) through a DoRA layer needs the layer's "
+                "forward to have run with flashdora.double_backward() on (e.g. `with flashdora.double_backward(): "
+                "loss = model(x)`; first-order training never pays for it), or the model on PEFT's DoRA "
+                "(flashdora.disable(model))");
     TORCH_CHECK(scales_.defined(),
                 "flashdora: trying to backward through the compose a second time after its buffers were freed "
                 "(specify retain_graph=True)");

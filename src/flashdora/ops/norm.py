@@ -148,6 +148,8 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, impl: str, w_sq=None) -> t
     """A newly computed ``(norm, scales)`` by ``impl`` (``dispatch.norm_impl``: ``eager``, ``triton``, ``native``); on
     the Triton path the norm's finish and the scales are one launch. ``native`` replays the Triton launches from C++
     once planned (with ``w_sq`` given: a cache miss)."""
+    if impl not in ("eager", "triton", "native"):
+        raise ValueError(f"fresh: impl expected one of 'eager', 'triton', 'native', got {impl!r}")
     if impl != "eager":
         from flashdora.kernels.norm import norm_and_scales
 
