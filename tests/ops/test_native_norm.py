@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import dispatch, native
+from flashdora import dispatch, native, native_bridge
 from flashdora.kernels import norm as kn
 from flashdora.kernels import norm_small
 from flashdora.kernels.norm_small import MAX_R
@@ -71,7 +71,7 @@ def test_gpu_norm_scales_gives_the_python_paths_bits(
     assert ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling, max_r) is False  # no plan yet
     if (d_out, d_in, r) == (1024, 4096, 64) and max_r:  # 16 row blocks: the small-rank kernel splits d_in here
         assert norm_small.split(weight)[0] > 1
-    assert ops_norm._register_plan(ext, weight, lora_A, lora_B, magnitude)
+    assert native_bridge._file_norm_plan(ext, weight, lora_A, lora_B, magnitude)
     _poison()
     with torch.autocast("cuda", dtype=torch.float16):  # the C++ path turns autocast off, as the Python path does
         norm, scales = ext.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, scaling, max_r)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdora import backend, config, dispatch, native
-from flashdora.ops import compose_fn, compose_grad2
+from flashdora import backend, config, dispatch, native_bridge
+from flashdora.ops import compose_grad2
 from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and tests name them here
     DOUBLE_BACKWARD,
     ComposeFunction,
@@ -87,19 +87,10 @@ def compose_eager(
     the call that finds none runs the Triton path below and files them. ``seq``: see ``after_base``."""
     if impl is None:
         impl = dispatch.compose_impl(result, bias, lx_base is not None)
-    unplanned = False
+    args = (result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if impl == "native":
-        y = native._adopted.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
-        if y is not None and y is not False:
-            backend.count("triton")
-            if torch.is_grad_enabled():
-                backend.count("native")
-            return y
-        unplanned = y is False
-    y = _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
-    if unplanned:
-        _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base)
-    return y
+        return native_bridge.compose(*args, python=_compose_python)
+    return _compose_python(impl, *args)
 
 
 def after_base() -> int:
@@ -131,45 +122,7 @@ def _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling
     if seq >= 0 and a.grad_fn is not None:
         a.grad_fn._set_sequence_nr(seq)
     if impl == "native" and magnitude.requires_grad:
-        y = _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
+        y = native_bridge.compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
         if y is not None:
             return y
     return _apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd, triton)
-
-
-def _file_plans(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base=None) -> None:
-    """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (in
-    training, saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The
-    backward kernel's plan is filed by ``_compose_native``, the first forward after that kernel compiled."""
-    kc = compose_fn._kc or compose_fn._import_kernels()
-    train = torch.is_grad_enabled() and magnitude.requires_grad
-    device_type = result.device.type
-    cd = _compute_dtype(device_type, lora_A, torch.is_autocast_enabled(device_type))
-    n = result.shape[-1]
-    # a stand-in for the LoRA A output: the plan depends on its dtype, width and alignment only
-    a = result.new_empty((result.numel() // n, lora_A.shape[0]), dtype=cd)
-    with torch.no_grad():
-        b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)
-    plan = kc.fwd_plan(result, a, b, scales, scaling, bias, train, lx_base)
-    if plan is not None:
-        native._adopted.register_forward(result, a, b, scales, bias, train, *plan, lx_base=lx_base)
-
-
-def _compose_native(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base=None):
-    """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node (the route is
-    ``native``: the extension is adopted, the bias rule holds), or ``None`` while the backward kernel is not compiled
-    yet (the Python path's first backward compiles it)."""
-    mod = native._adopted
-    kc = compose_fn._kc or compose_fn._import_kernels()
-    n = result.shape[-1]
-    has_lx = lx_base is not None
-    plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
-    if plan is None:
-        return None
-    mod.register_backward(result, scales, *plan, has_lx_base=has_lx)  # (the C++ forward takes the next call)
-    backend.count("triton")
-    backend.count("native")
-    b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)
-    y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=True)
-    mod.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan, lx_base=lx_base)
-    return y

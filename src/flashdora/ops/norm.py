@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdora import _checks, backend, native
+from flashdora import _checks, backend, native_bridge
 
 # Default transient budget of the eager path: 16 Mi fp32 elements (64 MiB) per chunk.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -154,33 +154,9 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, impl: str, w_sq=None) -> t
         from flashdora.kernels.norm import norm_and_scales
 
         backend.count("norm:triton")
-        mod = native._adopted if impl == "native" and w_sq is not None else None
-        if mod is None:
+        if impl != "native" or w_sq is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
-        from flashdora.kernels import norm_small
-
-        got = mod.norm_scales(weight, lora_A, lora_B, magnitude, w_sq, float(scaling), norm_small.MAX_R)
-        if got is not None and got is not False:
-            backend.count("norm:native")
-            return got
-        out = norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
-        if got is False:  # no plan for layers like this one yet: the Python path has just compiled what it needs
-            _register_plan(mod, weight, lora_A, lora_B, magnitude)
-        return out
+        python = lambda: norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)  # noqa: E731
+        return native_bridge.norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python)
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
     return norm, scales(magnitude, norm)
-
-
-def _register_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
-    """Files with the C++ extension how ``norm_and_scales`` launched for this layer (its small-rank kernel, with the
-    scales kernel where it splits d_in, or ``norm_gemm``'s epilogue and the scales kernel), once the Python path has
-    compiled them; whether it did."""
-    from flashdora.kernels import norm_small
-    from flashdora.kernels.norm import native_plan
-
-    small = norm_small.takes(weight, lora_A)
-    plan = (norm_small.native_plan if small else native_plan)(weight, lora_A, lora_B, magnitude)
-    if plan is None:
-        return False
-    (mod.register_norm_small if small else mod.register_norm)(weight, lora_A, lora_B, magnitude, *plan)
-    return True
