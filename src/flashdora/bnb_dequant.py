@@ -174,7 +174,8 @@ def hold(packed, state) -> torch.Tensor:
 
 
 def held(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """The dense weight the last ``bnb_base.result`` dequantized, if it is ``packed``'s under ``state`` at its version now."""
+    """The dense weight the last ``bnb_base.result`` dequantized, if it is ``packed``'s under ``state`` at its
+    version now."""
     got = _held
     if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:
         return None

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 
@@ -130,3 +131,28 @@ def _decode_step(model, prompt, args, amp):
             raise RuntimeError(f"decode: expected {n} new tokens, got {out.shape[-1] - prompt.shape[-1]}")
 
     return decode
+
+
+def phase_row(target, base_row, mode, phase, args) -> dict:
+    """The fields of one (mode, phase) row known before it runs: decode's own sizes, train's optimizer size."""
+    row = {**base_row, "mode": mode, "phase": phase}
+    if phase == "decode":  # batch 1; ``tokens``: generated per step
+        row.update(tokens=args.new_tokens, batch=1, seq=args.prompt, prompt=args.prompt, new_tokens=args.new_tokens)
+    elif phase == "train":  # 0 for ``base``: no trainable parameters, no optimizer step
+        row["optimizer_params"] = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    return row
+
+
+@contextlib.contextmanager
+def native_off(off: bool):
+    """``FLASHDORA_NATIVE=0`` inside (read at every layer call), the caller's setting restored after."""
+    old = os.environ.get("FLASHDORA_NATIVE")
+    if off:
+        os.environ["FLASHDORA_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if off and old is None:
+            del os.environ["FLASHDORA_NATIVE"]
+        elif off:
+            os.environ["FLASHDORA_NATIVE"] = old
