@@ -9,7 +9,7 @@ import transformers
 
 import flashdora
 import flashdora.native
-from flashdora.bench import model
+from flashdora.bench import model, model_phases
 from flashdora.cli import main
 from tests.bench_helpers import check_header, md_row, run_bench
 
@@ -215,17 +215,17 @@ def test_native_off_restores_the_setting(monkeypatch):
     """``flashdora_python``'s row runs with ``configure(native=False)`` and leaves the caller's setting as it was."""
     for before in (True, False):
         flashdora.configure(native=before)
-        with model._native_off(True):
+        with model_phases.native_off(True):
             assert not flashdora.config.native and not flashdora.native.enabled()
         assert flashdora.config.native is before
-        with model._native_off(False):
+        with model_phases.native_off(False):
             assert flashdora.config.native is before
 
 
 def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):
     """``--interleave``: a model per mode (copies of one base, the same adapter values), each timed step runs every
     mode once with the start rotated, train steps each mode's own weights, and the Markdown pairs steps."""
-    from flashdora.bench import model_interleave, model_phases
+    from flashdora.bench import model_interleave
 
     calls, models = [], {}
     make = model_phases.step_fn

@@ -18,7 +18,7 @@ from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fix
 from tests.qdora_models import bf16_model, int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
-from flashdora import bnb_base, peft_layers  # noqa: E402
+from flashdora import bnb_base, bnb_dequant, peft_layers  # noqa: E402
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
         model = qdora_model()
         flashdora.enable(model)
         if not share:
-            monkeypatch.setattr(bnb_base, "held", lambda packed, state: None)
+            monkeypatch.setattr(bnb_dequant, "held", lambda packed, state: None)
         calls = _count_dequantize(monkeypatch)
         _, logits, grads = train_step(model, make_ids(256))
         counts.append(len(calls))
@@ -85,7 +85,7 @@ def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
         monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
     assert counts[0] == counts[1] - len(_bases(model)), counts
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert bnb_base._held is None  # released at the end of each layer's call
+    assert bnb_dequant._held is None  # released at the end of each layer's call
 
 
 def _hooked(layer):
@@ -187,13 +187,13 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
     with torch.no_grad():
         _, fresh = bnb_base.result(base, torch.randn(2, 8, base.in_features))
         packed, state = base.weight.detach(), base.weight.quant_state
-        assert fresh and torch.equal(bnb_base.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
+        assert fresh and torch.equal(bnb_dequant.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)
-        assert bnb_base.held(packed, state) is None
+        assert bnb_dequant.held(packed, state) is None
     monkeypatch.setattr(flashdora.variant, "flash_forward", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError), torch.no_grad():
         model(input_ids=make_ids(256))
-    assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_base._held is None
+    assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_dequant._held is None
 
 
 def _enabled_eval_twice(model):

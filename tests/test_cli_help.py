@@ -90,12 +90,12 @@ def test_every_option_has_help():
 
 def test_choices_match_the_modules_that_use_them():
     from flashdora import demo, parity
-    from flashdora.bench import fsdp, layer, layer_render, model, model_render
+    from flashdora.bench import fsdp, layer, layer_render, model_build, model_render
 
     assert set(cli.DEMO_SIZES) == set(demo.SIZES)
     assert cli.PARITY_DTYPES == parity.MODES
     assert (cli.LAYER_MODES, cli.LAYER_PHASES) == (layer_render.MODES, layer_render.PHASES)
     assert (cli.MODEL_MODES, cli.MODEL_PHASES) == (model_render.MODES, model_render.PHASES)
-    assert set(cli.MODEL_PRESETS) == set(model.PRESETS)
+    assert set(cli.MODEL_PRESETS) == set(model_build.PRESETS)
     assert cli.FSDP_MODES == fsdp.MODES
     assert layer.DTYPES == cli.LAYER_DTYPES and layer.parse_shape is cli.parse_shape

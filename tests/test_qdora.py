@@ -158,7 +158,7 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
     """On CUDA a 4-bit miss dequantizes with bitsandbytes' own kernels from C++: the same bits as
     ``bitsandbytes.functional.dequantize_4bit``, nf4 and fp4, with and without double quantization, for every
     compute dtype, without calling that Python function."""
-    from flashdora import layers, native
+    from flashdora import bnb_dequant, native
 
     assert native.module(wait=True) is not None
     torch.manual_seed(0)
@@ -174,28 +174,28 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
         raise AssertionError("bitsandbytes.functional.dequantize_4bit ran")
 
     monkeypatch.setattr(bnb.functional, "dequantize_4bit", python_path)
-    got = layers.dequantized(layer)
-    got_alias = layers.dequantized(layer, layer.weight.detach())
+    got = bnb_dequant.dequantized(layer)
+    got_alias = bnb_dequant.dequantized(layer, layer.weight.detach())
     assert torch.equal(got, want) and torch.equal(got_alias, want) and got.data_ptr() != want.data_ptr()
-    layers.bnb_kernel.cache_clear()
+    bnb_dequant.bnb_kernel.cache_clear()
     monkeypatch.setattr(bnb, "__version__", "0.49.0")  # a version the C++ path was not tested with
     try:
-        assert layers.bnb_kernel(f"cdequantize_blockwise_{layers._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
+        assert bnb_dequant.bnb_kernel(f"cdequantize_blockwise_{bnb_dequant._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
         with pytest.raises(AssertionError, match="dequantize_4bit ran"):
-            layers.dequantized(layer)
+            bnb_dequant.dequantized(layer)
     finally:
-        layers.bnb_kernel.cache_clear()
+        bnb_dequant.bnb_kernel.cache_clear()
 
 
 def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):
     """Off CUDA a 4-bit weight is dequantized by ``bitsandbytes.functional.dequantize_4bit`` itself, once a call."""
-    from flashdora import layers
+    from flashdora import bnb_dequant
 
     layer = qdora_model("nf4").base_model.model.model.layers[0].self_attn.q_proj.base_layer
     calls = []
     real = bnb.functional.dequantize_4bit
     monkeypatch.setattr(bnb.functional, "dequantize_4bit", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = layers.dequantized(layer)
+    got = bnb_dequant.dequantized(layer)
     assert calls == [1] and torch.equal(got, real(layer.weight.data, layer.weight.quant_state))
 
 
@@ -206,11 +206,11 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
     the layers' own forwards dequantize; an 8-bit weight's float32 values come a row chunk at a time."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from flashdora import layers
+    from flashdora import bnb_dequant
     from flashdora.ops import norm_cache
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    monkeypatch.setattr(layers, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk
+    monkeypatch.setattr(bnb_dequant, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk
     model = bf16_model() if kind == "nf4" else int8_bf16_model()
     flashdora.enable(model)
     bases = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]

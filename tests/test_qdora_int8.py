@@ -66,14 +66,14 @@ def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monke
     """An 8-bit weight dequantizes to bitsandbytes' ``int8_vectorwise_dequant`` (PEFT's float32 weight) cast to the
     requested dtype, bit for bit, row chunk by row chunk: in a 16-bit dtype no float32 tensor larger than a chunk
     exists. The layer keeps its weight and scales (PEFT's CPU path re-assigns the weight)."""
-    from flashdora import layers
+    from flashdora import bnb_dequant
 
     layer = _int8_layer()
     weight, scb = layer.weight, layer.weight.SCB
     want = bnb.functional.int8_vectorwise_dequant(weight.data, scb).to(dtype)
-    monkeypatch.setattr(layers, "_INT8_CHUNK", 7 * 24)  # 7 rows a chunk: 6 chunks, the last one short
+    monkeypatch.setattr(bnb_dequant, "_INT8_CHUNK", 7 * 24)  # 7 rows a chunk: 6 chunks, the last one short
 
-    got, numels = _float32_numels(lambda: layers.dequantized(layer, dtype=dtype))
+    got, numels = _float32_numels(lambda: bnb_dequant.dequantized(layer, dtype=dtype))
     assert got.dtype == dtype and torch.equal(got, want)
     assert layer.weight is weight and layer.weight.SCB is scb and layer.weight.dtype == torch.int8
     if dtype != torch.float32:
@@ -129,7 +129,7 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     """On the Triton path an 8-bit weight dequantizes to a 16-bit dtype in one kernel (tiles cut by both edges),
     bitsandbytes' float32 values cast, bit for bit, and no float32 tensor larger than the row scales is made on the
     way (the interpreter copies its arguments)."""
-    from flashdora import layers
+    from flashdora import bnb_dequant
     from flashdora.kernels import dequant
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
@@ -139,6 +139,6 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     real = dequant.int8_to
     monkeypatch.setattr(dequant, "int8_to", lambda *a: launches.append(a[2]) or real(*a))
 
-    got, numels = _float32_numels(lambda: layers.dequantized(layer, dtype=dtype))
+    got, numels = _float32_numels(lambda: bnb_dequant.dequantized(layer, dtype=dtype))
     assert launches == [dtype] and max(numels) <= shape[0]
     assert got.dtype == dtype and torch.equal(got, want)

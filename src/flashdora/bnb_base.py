@@ -6,10 +6,10 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
 
 - ``Linear4bit``: past ``_gemm_4bit_custom_max_m`` rows (1536 on CUDA in bitsandbytes 0.50) its ``gemm_4bit`` op
   dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
-  is dequantized by bitsandbytes' own kernels launched from C++ (``layers``: the same bits), then ``F.linear`` with
-  the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a norm-cache
-  miss of the same layer needs: ``held`` hands it over (the miss then dequantizes nothing), and ``release`` drops it
-  once the layer's call is done.
+  is dequantized by bitsandbytes' own kernels launched from C++ (``bnb_dequant``: the same bits), then ``F.linear``
+  with the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a
+  norm-cache miss of the same layer needs: ``bnb_dequant.held`` hands it over (the miss then dequantizes nothing),
+  and ``release`` drops it once the layer's call is done.
 - ``Linear8bitLt`` (a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls the
   ``int8_scaled_mm`` op (``int8_mixed_scaled_mm`` above an outlier threshold); its backward dequantizes ``CB`` to the
   input's dtype for ``grad_x``. Here the same ops and the same backward.
@@ -24,18 +24,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashdora import backend, layers
+from flashdora import backend, bnb_dequant, layers
+from flashdora.bnb_dequant import release  # noqa: F401 (peft_layers calls bnb_base.release)
 
 # Devices where ``result`` takes the path (CUDA, where the 4-bit dequantization runs from C++); tests add "cpu",
 # where bitsandbytes' default ``gemm_4bit`` dequantizes at every size.
 DEVICES = ("cuda",)
-_held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
 
 
 def _tested() -> bool:
-    """Whether this bitsandbytes is a version ``result`` was tested with (``layers.bnb_tested``; not ROCm)."""
+    """Whether this bitsandbytes is a version ``result`` was tested with (``bnb_dequant.bnb_tested``; not ROCm)."""
     if "tested" not in _CACHE:
-        _CACHE["tested"] = layers.bnb_tested() and not torch.version.hip
+        _CACHE["tested"] = bnb_dequant.bnb_tested() and not torch.version.hip
     return _CACHE["tested"]
 
 
@@ -105,7 +105,7 @@ def _plan4(base, x):
     if bias is not None and (bias.requires_grad or bias.dtype != state.dtype):
         return None  # (bitsandbytes then casts the bias in place, or trains it)
     packed = weight.detach()
-    if packed.is_cuda and layers._native_4bit(packed, state) is None:
+    if packed.is_cuda and bnb_dequant.native_4bit(packed, state) is None:
         return None  # no C++ dequantization here: nothing to gain
     return (x if cd is None else x.to(cd)), packed, state, bias
 
@@ -134,20 +134,12 @@ def _first_call_8bit(base) -> None:
             weight.data = base.state.CB
 
 
-def _held_dense(packed, state) -> torch.Tensor:
-    """The dense weight (``layers.dequantize_4bit``), held for the layer's norm-cache miss (``held``)."""
-    global _held
-    w = layers.dequantize_4bit(packed, state)
-    _held = (packed.data_ptr(), packed._version, state, w)
-    return w
-
-
 class _Linear4bit(torch.autograd.Function):
     """``F.linear(x, W, bias)`` with ``W`` dequantized in the forward and again in the backward (never saved)."""
 
     @staticmethod
     def forward(ctx, x, packed, state, bias):
-        w = _held_dense(packed, state)
+        w = bnb_dequant.hold(packed, state)
         ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
         ctx.state = state
         return F.linear(x, w, bias)
@@ -157,7 +149,7 @@ class _Linear4bit(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         (packed,) = ctx.saved_tensors
-        return torch.matmul(grad, layers.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
+        return torch.matmul(grad, bnb_dequant.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
 
 
 def _plan8(base, x):
@@ -224,8 +216,7 @@ class _Linear8bit(torch.autograd.Function):
 def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
     else it is the layer's own call. The caller ``release``s once the layer's call is done (a ``finally``)."""
-    global _held
-    _held = None  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
+    bnb_dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
         plan = _plan4(base, x)
@@ -247,19 +238,5 @@ def _result4(x, xc, packed, state, bias):
     if torch.is_grad_enabled() and xc.requires_grad:
         out = _Linear4bit.apply(xc, packed, state, bias)
     else:
-        out = F.linear(xc, _held_dense(packed, state), bias)
+        out = F.linear(xc, bnb_dequant.hold(packed, state), bias)
     return out.to(x.dtype)
-
-
-def held(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """The dense weight the last ``result`` dequantized, if it is ``packed``'s under ``state`` at its version now."""
-    got = _held
-    if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:
-        return None
-    return got[3]
-
-
-def release() -> None:
-    """Drop the held dense weight (the end of a layer's call)."""
-    global _held
-    _held = None

@@ -15,7 +15,7 @@ DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.demo.SIZES
 PARITY_DTYPES = ("fp32", "autocast")  # flashdora.parity.MODES
 LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.layer_render.MODES
 LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
-MODEL_PRESETS = ("tiny", "llama3-8b", "llama3-70b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model.PRESETS
+MODEL_PRESETS = ("tiny", "llama3-8b", "llama3-70b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model_build.PRESETS
 # flashdora.bench.model_render.MODES
 MODEL_MODES = (
     "base",

@@ -92,7 +92,8 @@ def test_factored_norm_triton_equals_eager(device, monkeypatch):
 
 @pytest.mark.parametrize("d_out, d_in, r", SHAPES)
 def test_norm_and_scales(d_out, d_in, r, device, poisoned_empty):
-    from flashdora.kernels.norm import norm_and_scales, scales_from_norm
+    from flashdora.kernels.norm import norm_and_scales
+    from flashdora.kernels.scales import scales_from_norm
     from flashdora.ops.norm import scales
 
     weight, lora_A, lora_B = _inputs(d_out, d_in, r, torch.bfloat16, torch.float32, device)
@@ -143,9 +144,9 @@ def test_norm_every_config(d_out, d_in, r, w_dtype, device, poisoned_empty, one_
     """Every config the autotuner may pick gives the same norms, within float32 summation order, and they meet the
     bar against float64: not only the config it picks here (a config of the earlier fused 16-bit kernel was 4e-3
     off on an H100, unseen because the tests' shapes never chose it)."""
-    from flashdora.kernels import norm, norm_gemm
+    from flashdora.kernels import norm, norm_fp32, norm_gemm
 
-    kernel = norm_gemm._epilogue_kernel if w_dtype == torch.bfloat16 else norm._norm_fwd_kernel
+    kernel = norm_gemm._epilogue_kernel if w_dtype == torch.bfloat16 else norm_fp32._norm_fwd_kernel
     weight, lora_A, lora_B = _inputs(d_out, d_in, r, w_dtype, torch.float32, device)
     ref = row_norm_ref(weight.double(), lora_A.double(), lora_B.double(), 0.7)
     first = None
@@ -187,7 +188,7 @@ def test_norm_cross_term_layouts(d_out, d_in, r, layout, device, poisoned_empty,
 def test_scales_from_norm_with_magnitudes_of_every_dtype_in_turn(device, poisoned_empty):
     """The scales kernel's direct launch is cached per key: a float32 magnitude, then a bfloat16 one (FSDP2's
     ``MixedPrecisionPolicy``), then float32 again must each get a kernel compiled for its dtype."""
-    from flashdora.kernels.norm import scales_from_norm
+    from flashdora.kernels.scales import scales_from_norm
     from flashdora.ops.norm import scales
 
     norm = torch.rand(1000, device=device) + 0.5
@@ -362,10 +363,9 @@ def test_split_fills_the_gpu_without_short_chunks(monkeypatch):
 
 def test_scales_plan_stands_in_for_what_finish_launches(monkeypatch):
     """The C++ plans of the scales kernel (``norm.native_plan``'s and ``norm_small.native_plan``'s, both through
-    ``scales_plan``) are asked for with the dtypes and integers ``_finish`` launches it with: the compiled kernel they
+    ``scales_plan``) are asked for with the dtypes and integers ``finish`` launches it with: the compiled kernel they
     look up is the one the Python path compiled."""
-    from flashdora.kernels import launcher
-    from flashdora.kernels import norm as kn
+    from flashdora.kernels import launcher, scales
 
     launched, asked = [], []
 
@@ -381,12 +381,12 @@ def test_scales_plan_stands_in_for_what_finish_launches(monkeypatch):
     lora_B = torch.randn(40, 8, dtype=torch.bfloat16)
     for m_dtype in (torch.float32, torch.bfloat16):
         magnitude = torch.rand(40, dtype=m_dtype)
-        kn._finish(torch.randn(3, 40), magnitude, True)
-        assert kn.scales_plan(lora_B, magnitude, 3, 40) == (1,)
+        scales.finish(torch.randn(3, 40), magnitude, True)
+        assert scales.scales_plan(lora_B, magnitude, 3, 40) == (1,)
 
     def kinds(args):
         return [a.dtype if isinstance(a, torch.Tensor) else a for a in args]
 
     assert len(launched) == len(asked) == 2
     for (k1, a1, f1), (k2, a2, f2) in zip(launched, asked):
-        assert k1 is k2 is kn._scales_kernel and f1 == f2 and kinds(a1) == kinds(a2)
+        assert k1 is k2 is scales._scales_kernel and f1 == f2 and kinds(a1) == kinds(a2)

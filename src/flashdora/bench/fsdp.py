@@ -169,7 +169,7 @@ def _build(opts: dict, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import flashdora
-    from flashdora.bench.model import PRESETS, TARGETS
+    from flashdora.bench.model_build import PRESETS, TARGETS
 
     cls_name, fields = PRESETS[opts["preset"]]
     config = getattr(transformers, cls_name)(**fields)

@@ -26,8 +26,8 @@ import torch
 
 import flashdora
 from flashdora.bench import timing
-from flashdora.bench.model import _native_off, phase_row, prepare, wrap
-from flashdora.bench.model_phases import step_fn
+from flashdora.bench.model_build import prepare, wrap
+from flashdora.bench.model_phases import native_off, phase_row, step_fn
 
 ORDER = (
     "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "
@@ -127,7 +127,7 @@ def _wall_ms(fn, device) -> float:
 
 def _without_native(fn):
     def call():
-        with _native_off(True):
+        with native_off(True):
             fn()
 
     return call

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from flashdora import config
 from flashdora.bench import timing
 
 LR = 1e-5
@@ -130,3 +131,18 @@ def _decode_step(model, prompt, args, amp):
             raise RuntimeError(f"decode: expected {n} new tokens, got {out.shape[-1] - prompt.shape[-1]}")
 
     return decode
+
+
+def phase_row(target, base_row, mode, phase, args) -> dict:
+    """The fields of one (mode, phase) row known before it runs: decode's own sizes, train's optimizer size."""
+    row = {**base_row, "mode": mode, "phase": phase}
+    if phase == "decode":  # batch 1; ``tokens``: generated per step
+        row.update(tokens=args.new_tokens, batch=1, seq=args.prompt, prompt=args.prompt, new_tokens=args.new_tokens)
+    elif phase == "train":  # 0 for ``base``: no trainable parameters, no optimizer step
+        row["optimizer_params"] = sum(p.numel() for p in target.parameters() if p.requires_grad)
+    return row
+
+
+def native_off(off: bool):
+    """``configure(native=False)`` inside (``off``), the caller's setting restored after."""
+    return config.override(native=False) if off else contextlib.nullcontext()

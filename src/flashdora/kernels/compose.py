@@ -11,19 +11,7 @@ import triton
 import triton.language as tl
 
 from flashdora.kernels import configs, launcher
-
-
-@triton.jit
-def _to_out(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``x.to(DTYPE)``; with EMULATE_RNE, rounds fp32 -> bf16 to nearest even by hand, as the GPU does.
-
-    The Triton 3.9 CPU interpreter truncates fp32 -> bf16 conversions; the wrappers set EMULATE_RNE only there.
-    """
-    if EMULATE_RNE and DTYPE == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(DTYPE)
+from flashdora.kernels._common import HALF, _to_out
 
 
 @triton.jit
@@ -209,7 +197,7 @@ def _fwd_io(result, scales, bias, lx_base, save_inner):
     y = _empty_rows(result)
     inner = _empty_rows(result) if save_inner else y
     # PEFT's result - bias rounds to result's dtype when torch promotes the pair to it (a 16-bit layer's own bias)
-    round_base = has_bias and result.dtype in (torch.float16, torch.bfloat16) and bias.dtype == result.dtype
+    round_base = has_bias and result.dtype in HALF and bias.dtype == result.dtype
     flags = dict(
         HAS_BIAS=has_bias, HAS_LX_BASE=has_lx_base, SAVE_INNER=save_inner, ROUND_BASE=round_base,
         EMULATE_RNE=configs.INTERPRETED,

@@ -1,7 +1,7 @@
 """A bitsandbytes 8-bit weight (``Int8Params``: ``CB`` int8 rows, ``SCB`` float32 row scales) dequantized to a
 16-bit dtype in one pass: bitsandbytes' ``int8_vectorwise_dequant`` arithmetic (``CB * SCB * scale`` in float32, in
-that order; ``scale`` is its 1/127, ``layers._INT8_SCALE``), rounded once to the output dtype. The same bits as that
-function's float32 result cast, without the float32 ``[d_out, d_in]`` tensor (or its row chunks) and with one
+that order; ``scale`` is its 1/127, ``bnb_dequant._INT8_SCALE``), rounded once to the output dtype. The same bits as
+that function's float32 result cast, without the float32 ``[d_out, d_in]`` tensor (or its row chunks) and with one
 launch: a norm cache miss on an 8-bit base runs it once per layer and optimizer step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from flashdora.kernels import launcher
-from flashdora.kernels.compose import _to_out
+from flashdora.kernels._common import HALF, _to_out
 from flashdora.kernels.configs import INTERPRETED
 
 _BLOCK_M, _BLOCK_N = (8, 512) if not INTERPRETED else (4, 16)
@@ -36,7 +36,7 @@ def takes(data: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether ``int8_to`` dequantizes these: a contiguous 2-D int8 ``data``, float32 row scales on its device, a
     16-bit ``dtype``."""
     return (
-        dtype in (torch.float16, torch.bfloat16) and data.dtype == torch.int8 and data.dim() == 2
+        dtype in HALF and data.dtype == torch.int8 and data.dim() == 2
         and data.is_contiguous() and scb.dtype == torch.float32 and scb.device == data.device
         and scb.numel() == data.shape[0]
     )  # fmt: skip

@@ -9,10 +9,10 @@ weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA 
    runs faster at this shape (timed once per shape).
 3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
    row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
-   version); ``kernels/norm.py`` sums the slices and computes the norm and DoRA's scales in one more launch.
+   version); ``kernels/scales.py`` sums the slices and computes the norm and DoRA's scales in one more launch.
 
 ``C`` is ``[rows, r]`` fp32, walked in row chunks of at most 64 MiB. Eager twin: ``norm_sq_eager`` in
-``ops/norm.py``. float32 weights take ``kernels/norm.py``'s fused kernel (float32-accurate TF32x3).
+``ops/norm.py``. float32 weights take ``kernels/norm_fp32.py``'s fused kernel (float32-accurate TF32x3).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import triton.language as tl
 
 from flashdora import backend
 from flashdora.kernels import configs, launcher
+from flashdora.kernels._common import _gram_term
 
 _CHUNK_ELEMENTS = 16 * 1024 * 1024  # fp32 elements of C per chunk (64 MiB)
 
@@ -40,28 +41,6 @@ def _row_sq_kernel(p_w, p_out, d_out, d_in, stride_wm, stride_wk, BLOCK_M: tl.co
         b_w = tl.load(p, mask=mask, other=0.0).to(tl.float32)
         acc += b_w * b_w
     tl.store(p_out + offs_m, tl.sum(acc, axis=1), mask=mask_m)
-
-
-@triton.jit
-def _gram_term(
-    acc, p_b, p_gram, offs_m, offs_j, mask_m, mask_j, r, stride_bm, stride_br, b_scale,
-    SCALE_B: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
-    """``acc + B[rows] @ G[:, slice]`` (``B`` times ``b_scale`` when ``SCALE_B``), a plain GEMM loop over K = r: the
-    Gram term of both norm kernels (this file's epilogue, and ``kernels/norm.py``'s fused float32 kernel)."""
-    offs_g = tl.arange(0, BLOCK_G).to(tl.int64)  # [BLOCK_G]
-    p_bk = p_b + offs_m[:, None] * stride_bm + offs_g[None, :] * stride_br  # [BLOCK_M, BLOCK_G]
-    p_gk = p_gram + offs_g[:, None] * r + offs_j[None, :]  # [BLOCK_G, BLOCK_J]
-    for k in range(0, r, BLOCK_G):
-        mask_k = (k + offs_g) < r
-        b_b = tl.load(p_bk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        if SCALE_B:
-            b_b = b_b * b_scale
-        b_g = tl.load(p_gk, mask=mask_k[:, None] & mask_j[None, :], other=0.0)
-        acc = tl.dot(b_b, b_g, acc, input_precision=PRECISION)
-        p_bk += BLOCK_G * stride_br
-        p_gk += BLOCK_G * r
-    return acc
 
 
 @triton.autotune(configs=configs.NORM_EPILOGUE, key=["r"], do_bench=configs.bench)

@@ -12,7 +12,7 @@ runs the cross term faster than a Triton one once it is not bound by reading ``W
 
 A layer with few row blocks (``d_out / BLOCK_M`` programs could not fill the GPU: the 8B shapes' k/v projections
 have 16) also splits d_in (``split``): grid ``(row blocks, splits)``, each program its rows' partial squared norm
-over its columns into a ``[splits, d_out]`` buffer, then ``norm._scales_kernel`` adds the partials in a fixed order
+over its columns into a ``[splits, d_out]`` buffer, then ``scales._scales_kernel`` adds the partials in a fixed order
 and writes the norm and the scales (two launches, no atomics, the same bits on every run).
 """
 
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from flashdora.kernels import configs, launcher
-from flashdora.kernels.compose import _to_out
+from flashdora.kernels._common import HALF, _store_scales, _to_out
+from flashdora.kernels.scales import finish, scales_plan
 
 MAX_R = 64  # the largest rank this kernel takes (its accumulators: [BLOCK_M, r] and [r, r] float32 per program)
 # Splitting d_in: aim at PROGRAMS_PER_SM programs a multiprocessor (counting row blocks of SPLIT_BLOCK_M rows), each
@@ -33,21 +34,6 @@ PROGRAMS_PER_SM = 4
 SPLIT_BLOCK_M = 64
 MIN_CHUNK = 512 if not configs.INTERPRETED else 16
 CHUNK_ALIGN = 128 if not configs.INTERPRETED else 16
-_HALF = (torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _store_scales(norm, p_m, p_norm, p_scales, offs, mask, stride_s, BLOCK: tl.constexpr):
-    """``norm`` and DoRA's scales ``g = m / norm``, ``g - 1 = (m - norm) / norm``, ``1 / norm`` (rows of
-    ``p_scales``, ``stride_s`` apart); a zero norm gives ``0, -1, 0`` (``ops.norm.scales``)."""
-    m = tl.load(p_m + offs, mask=mask, other=0.0).to(tl.float32)
-    positive = norm > 0.0
-    inv = tl.where(positive, tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.where(positive, norm, 1.0)), 0.0)
-    gm1 = tl.where(positive, (m - norm) * inv, -1.0)
-    tl.store(p_norm + offs, norm, mask=mask)
-    tl.store(p_scales + offs, m * inv, mask=mask)
-    tl.store(p_scales + stride_s + offs, gm1, mask=mask)
-    tl.store(p_scales + 2 * stride_s + offs, inv, mask=mask)
 
 
 @triton.autotune(
@@ -112,7 +98,7 @@ def _small_kernel(
 
 def takes(weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
     """Whether ``norm_and_scales`` runs this kernel for a 16-bit ``weight`` and this rank."""
-    return weight.dtype in _HALF and lora_A.shape[0] <= MAX_R and lora_A.dtype in (*_HALF, torch.float32)
+    return weight.dtype in HALF and lora_A.shape[0] <= MAX_R and lora_A.dtype in (*HALF, torch.float32)
 
 
 def split(weight: torch.Tensor) -> tuple[int, int]:
@@ -164,10 +150,8 @@ def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, nor
     """Writes the norm ``[d_out]`` and the scales ``[3, d_out]`` (stride-1 rows) of ``W + s B A`` into ``norm`` and
     ``scales`` (float32); ``w_sq``: ``||W||^2`` float32. For ``takes(weight, lora_A)``. ``splits``: ``split``'s
     ``(splits, chunk)`` (tests pass others)."""
-    from flashdora.kernels.norm import _finish
-
     lora_A, lora_B = lora_A.detach(), lora_B.detach()
-    lora_B = lora_B if lora_B.dtype in (*_HALF, torch.float32) else lora_B.float()
+    lora_B = lora_B if lora_B.dtype in (*HALF, torch.float32) else lora_B.float()
     m = magnitude.detach().contiguous()
     n_split, chunk = split(weight) if splits is None else splits
     part = norm if n_split == 1 else torch.empty((n_split, weight.shape[0]), dtype=torch.float32, device=norm.device)
@@ -175,7 +159,7 @@ def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, nor
     grid = lambda meta: (triton.cdiv(weight.shape[0], meta["BLOCK_M"]), n_split)  # noqa: E731
     launcher.launch(_small_kernel, grid, _key(weight, lora_A, lora_B, m), args, _flags(lora_A.shape[0], n_split > 1))
     if n_split > 1:
-        _finish(part, m, True, (norm, scales))
+        finish(part, m, True, (norm, scales))
 
 
 def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
@@ -183,8 +167,6 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     CUfunction, warps, shared bytes, parameter types, kept arguments)``, then the scales kernel's ``(CUfunction,
     warps, shared bytes, parameter types, kept arguments)`` (zeros and empties for one split), or ``None`` until a
     Python-path call has compiled the kernels."""
-    from flashdora.kernels.norm import scales_plan
-
     d_out = weight.shape[0]
     n_split, chunk = split(weight)
     f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
@@ -195,8 +177,8 @@ def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
     plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B, m), args, flags)
     if plan is None:
         return None
-    finish = (0, 0, 0, "", []) if n_split == 1 else scales_plan(lora_B, magnitude, n_split, d_out)
-    if finish is None:
+    finish_plan = (0, 0, 0, "", []) if n_split == 1 else scales_plan(lora_B, magnitude, n_split, d_out)
+    if finish_plan is None:
         return None
     config, *launch = plan
-    return (config["BLOCK_M"], n_split, chunk, *launch, *finish)
+    return (config["BLOCK_M"], n_split, chunk, *launch, *finish_plan)

@@ -137,7 +137,7 @@ def scales(magnitude: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
 def scales_on(magnitude, norm, triton: bool) -> torch.Tensor:
     """``scales`` on the Triton path (one launch) or the eager one."""
     if triton:
-        from flashdora.kernels.norm import scales_from_norm
+        from flashdora.kernels.scales import scales_from_norm
 
         return scales_from_norm(magnitude, norm)
     return scales(magnitude, norm)

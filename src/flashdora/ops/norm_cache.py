@@ -40,7 +40,7 @@ import weakref
 import torch
 
 from flashdora import backend, config, dispatch
-from flashdora.layers import dequantized
+from flashdora.bnb_dequant import dequantized
 from flashdora.ops.cache_streams import capturing, in_tree_pool, join, made_on, stream_now
 from flashdora.ops.norm import fresh, scales_on, weight_sq
 
