@@ -197,7 +197,7 @@ def test_model_dropout_runs_both_modes(tmp_path, monkeypatch):
     def checked(target, mode, *args):
         from flashdora.report import _rows
 
-        seen[mode] = {r[4] for r in _rows(target)}
+        seen[mode] = {r[-1] for r in _rows(target)}
         return measure(target, mode, *args)
 
     monkeypatch.setattr(model, "measure_mode", checked)
