@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import dist_worker  # (this directory: the script's)
 import flashdora
-from dist_worker import N_LAYERS, batches, build, close, reference
+from dist_worker import CONFIG, N_LAYERS, TARGETS, batches, build, close, reference
 from flashdora import backend
 
 # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (a C++ build of a minute and more on a fresh
@@ -45,8 +45,9 @@ CASES = {
     "zero3": "deepspeed.initialize, ZeRO stage 3 (every parameter partitioned), flashdora enabled before it",
     "zero3-after": "the same, flashdora enabled after deepspeed.initialize",
     "zero3-accelerate": "accelerate's Accelerator with DeepSpeedPlugin(zero_stage=3)",
-    "zero3-trainer": "transformers' Trainer with a ZeRO-3 deepspeed= config (it shuffles: no one-process reference)",
     "zero2": "deepspeed.initialize, ZeRO stage 2 (nothing partitioned): flashdora's own path",
+    "zero3-trainer": "transformers' Trainer with a ZeRO-3 deepspeed= config, the model built under zero.Init (weights "
+    "of its own, and the Trainer shuffles: no one-process reference)",
 }
 
 
@@ -76,44 +77,55 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def trainer_losses(model, data, world: int) -> list[float]:
-    """The Trainer's logged loss per step (the mean over ranks): constant learning rate, no clipping, seed 0."""
+def trainer_run(flash: bool, data, world: int):
+    """(the Trainer's logged loss per step, the model) as a Trainer user runs ZeRO-3: ``TrainingArguments`` with the
+    config first, so that the model is built partitioned (``deepspeed.zero.Init``, as ``from_pretrained`` builds it)
+    and PEFT's DoRA initialises its magnitudes on gathered weights; constant learning rate, no clipping, seed 0."""
     import tempfile
 
     from accelerate.state import AcceleratorState
-    from transformers import Trainer, TrainingArguments
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     AcceleratorState._reset_state(True)  # the run before set up its own
-    config = ds_config(3, world)
-    config.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=2, max_steps=len(data), learning_rate=1e-2,
             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[],
-            save_strategy="no", deepspeed=config, use_cpu=dist_worker.DEVICE.type == "cpu", disable_tqdm=True, seed=0,
+            save_strategy="no", deepspeed=ds_config(3, world), use_cpu=dist_worker.DEVICE.type == "cpu",
+            disable_tqdm=True, seed=0,
         )  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(LlamaConfig(**CONFIG))  # under zero.Init
+        lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
+        model = get_peft_model(model, lora)
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if flash:
+            flashdora.enable(model)
         trainer = Trainer(model=model, args=args, train_dataset=_Rows(data))
         trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    unset_hf_deepspeed_config()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
 
 
 def train(case: str, flash: bool, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int], list[str]]:
     """(losses, adapters, stats, flashdora's warnings) of one run of ``case``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build()
-    if flash and case != "zero3-after":
-        flashdora.enable(model)
     if case == "zero3-trainer":
         flashdora.reset_stats()
         backend._warned.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            losses = trainer_losses(model, data, world)
+            losses, model = trainer_run(flash, data, world)
         base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
         if not (base.numel() == 0 and base.ds_numel > 0):
             raise AssertionError(f"{case}: a base weight at rest is {tuple(base.shape)}, not partitioned")
         said = [str(w.message) for w in caught if "flashdora" in str(w.message)]
         return losses, whole(model), flashdora.stats(), said
+    model = build()
+    if flash and case != "zero3-after":
+        flashdora.enable(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     stage = 2 if case == "zero2" else 3
     if case == "zero3-accelerate":

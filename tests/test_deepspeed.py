@@ -23,7 +23,7 @@ needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed (pip install deepspeed; scripts/test.sh installs it with the test extras)",
 )
-CASES = ("zero3", "zero3-after", "zero3-accelerate", "zero3-trainer", "zero2")
+CASES = ("zero3", "zero3-after", "zero3-accelerate", "zero2", "zero3-trainer")
 
 
 def _worker(*args: str, env: dict[str, str] | None = None) -> str:
@@ -37,8 +37,8 @@ def _worker(*args: str, env: dict[str, str] | None = None) -> str:
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
 def test_deepspeed_trains_like_peft_on_two_cpu_ranks():
     """Two ranks on the CPU, 3 AdamW steps, fp32, gradient checkpointing on: under ZeRO-3 (``deepspeed.initialize``
-    with flashdora enabled before or after it, and accelerate's ``DeepSpeedPlugin(zero_stage=3)``) every parameter
-    is partitioned at rest, every DoRA call runs PEFT's forward (counted ``peft_fallback:deepspeed_zero3``, one
+    with flashdora enabled before or after it, accelerate's ``DeepSpeedPlugin(zero_stage=3)``, and the Trainer with
+    the model built under ``deepspeed.zero.Init``) the parameters are partitioned at rest, every DoRA call runs PEFT's forward (counted ``peft_fallback:deepspeed_zero3``, one
     warning, named by ``report()``; no flashdora op ran), and losses and adapter weights equal PEFT's under the same
     config and in one process; under ZeRO-2 flashdora's own path, one norm per layer per step and one ``||W||^2``
     per frozen base, with the same results. (The checks are the worker's.)"""
