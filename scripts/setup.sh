@@ -14,6 +14,9 @@ case "$JOB" in
   test) extras="test" ;;
   *) echo "usage: scripts/setup.sh [demo|test]" >&2; exit 2 ;;
 esac
+# EXTRAS: more of pyproject.toml's extras, comma-separated (scripts/test.sh: test-deepspeed); stamped apart (below)
+extras="$extras${EXTRAS:+,$EXTRAS}"
+NAME=$JOB${EXTRAS:++$EXTRAS}
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 PINS=${CONSTRAINTS:-scripts/constraints.txt}
@@ -42,11 +45,11 @@ ready() {  # the stamp of $1 matches and flashdora imports from this checkout
     "$VENV/bin/python" -W ignore -c "import flashdora, os, sys; here = os.path.realpath(sys.argv[1]) + os.sep
 sys.exit(not os.path.realpath(flashdora.__file__).startswith(here))" "$PWD" 2>/dev/null
 }
-if ready "$JOB" || { [ "$JOB" = demo ] && ready test; }; then
+if ready "$NAME" || { [ "$JOB" = demo ] && ready test; }; then
   echo "setup.sh: $VENV already has what '$JOB' needs (pyproject.toml, $PINS and torch unchanged); pip skipped"
   exit 0
 fi
-rm -f "$STAMP.$JOB"
+rm -f "$STAMP.$JOB" "$STAMP.$NAME"
 # pip, without the local-index notices some machines print for every package ("Location ... is ignored")
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
 if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
@@ -72,3 +75,4 @@ pip install -c "$CONSTRAINTS_FILE" -c "$PINS" -e ".[$extras]"
 "$VENV/bin/python" -W ignore -c \
   "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
 stamp_key >"$STAMP.$JOB"
+stamp_key >"$STAMP.$NAME"  # (with EXTRAS: the job's own stamp too, as it has what the job needs)

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-VENV=$VENV bash scripts/setup.sh test
+VENV=$VENV EXTRAS=test-deepspeed bash scripts/setup.sh test  # DeepSpeed for tests/test_deepspeed.py (CPU, 2 ranks)
 if [ "${1:-}" = --quick ]; then
   shift
   set -- -m quick "$@"

@@ -18,13 +18,12 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     mods = module._modules
     base = base_layer(module)
     lora_B_layer = mods["lora_B"]._modules[adapter]
-    hook = hooked_adapter(module, adapter)
-    if hook is not None:
-        return f"hooks:{hook}"
-    return reason(
+    why = reason(
         base, param(base, "weight"), param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
         param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
     )  # fmt: skip
+    hook = None if why is not None else hooked_adapter(module, adapter)  # (flash_forward's order: its answer)
+    return why if hook is None else f"hooks:{hook}"
 
 
 # The forward runs once per layer call, where host time is the bottleneck: it reads submodules and parameters from
@@ -110,6 +109,8 @@ def _sharded(t) -> bool:
 
 def reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
     """``unsupported_reason`` from the layer's parts, as the forward has them in hand."""
+    if "ds_id" in lora_A.__dict__ or "ds_id" in weight.__dict__:  # DeepSpeed ZeRO-3: empty outside its gathers
+        return "deepspeed_zero3"
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not is_bnb(base):

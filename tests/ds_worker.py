@@ -1,0 +1,238 @@
+"""Run under ``torchrun --nproc_per_node 2`` (with ``DS_ACCELERATOR=cpu`` on the CPU, ``--device cuda`` on two GPUs):
+flashdora under DeepSpeed against PEFT's DoRA.
+
+The tiny Llama of ``tests/dist_worker.py`` (DoRA on every projection, gradient checkpointing on) trains ``--steps``
+AdamW steps (torch's, as DeepSpeed's client optimizer; the Trainer's own in the Trainer case) on each rank's half of
+one global batch, fp32, for each case of ``CASES``. Every case trains twice in the launch from the same weights and
+data, once with PEFT's own DoRA and once with ``flashdora.enable`` (before ``deepspeed.initialize``, or after it),
+and rank 0 also trains PEFT's DoRA in one process on the whole batch. Checks:
+
+- ZeRO-3 partitions the parameters (a base weight is empty at rest, ``ds_numel`` > 0), and flashdora sends every
+  DoRA layer to PEFT's own forward: every call counted as ``peft_fallback:deepspeed_zero3`` and nothing else (no
+  flashdora op ran, so none ran on a partitioned parameter), exactly one flashdora warning, ``report()`` naming the
+  route for every layer;
+- ZeRO-2 (nothing partitioned, no module hooks): flashdora's own path, one norm per layer per step and one
+  ``||W||^2`` of each frozen base in the whole run;
+- losses at every step and every trained adapter tensor equal PEFT's under the same DeepSpeed config, and PEFT's in
+  one process (but for the Trainer, which shuffles), to float32 round-off.
+
+Prints ``OK <case>`` per case on rank 0; raises (a non-zero exit) on the first failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import os
+import warnings
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+import dist_worker  # (this directory: the script's)
+import flashdora
+from dist_worker import CONFIG, N_LAYERS, TARGETS, batches, build, close, reference
+from flashdora import backend
+
+# DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (a C++ build of a minute and more on a fresh
+# machine) at init; gloo's own collectives do the same work here, so the test skips that build. (The module from
+# sys.modules: the package's attribute `torch` is torch.)
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+CASES = {
+    "zero3": "deepspeed.initialize, ZeRO stage 3 (every parameter partitioned), flashdora enabled before it",
+    "zero3-after": "the same, flashdora enabled after deepspeed.initialize",
+    "zero3-accelerate": "accelerate's Accelerator with DeepSpeedPlugin(zero_stage=3)",
+    "zero2": "deepspeed.initialize, ZeRO stage 2 (nothing partitioned): flashdora's own path",
+    "zero3-trainer": "transformers' Trainer with a ZeRO-3 deepspeed= config, the model built under zero.Init (weights "
+    "of its own, and the Trainer shuffles: no one-process reference)",
+}
+
+
+def ds_config(stage: int, world: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # the tiny model's parameters are partitioned too
+    return {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero, "steps_per_print": 10**9}  # fmt: skip
+
+
+def whole(engine_module) -> dict[str, torch.Tensor]:
+    """Every adapter tensor, gathered (a collective under ZeRO-3: every rank calls it)."""
+    named = [(n, p) for n, p in engine_module.named_parameters() if "lora_" in n]
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):
+        return {n.replace("module.", ""): p.detach().clone() for n, p in named}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, data):
+        self.rows = [row for ids in data for row in ids]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def trainer_run(flash: bool, data, world: int):
+    """(the Trainer's logged loss per step, the model) as a Trainer user runs ZeRO-3: ``TrainingArguments`` with the
+    config first, so that the model is built partitioned (``deepspeed.zero.Init``, as ``from_pretrained`` builds it)
+    and PEFT's DoRA initialises its magnitudes on gathered weights; constant learning rate, no clipping, seed 0."""
+    import tempfile
+
+    from accelerate.state import AcceleratorState
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state(True)  # the run before set up its own
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, max_steps=len(data), learning_rate=1e-2,
+            lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[],
+            save_strategy="no", deepspeed=ds_config(3, world), use_cpu=dist_worker.DEVICE.type == "cpu",
+            disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(LlamaConfig(**CONFIG))  # under zero.Init
+        lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False, target_modules=TARGETS)
+        model = get_peft_model(model, lora)
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if flash:
+            flashdora.enable(model)
+        trainer = Trainer(model=model, args=args, train_dataset=_Rows(data))
+        trainer.train()
+    unset_hf_deepspeed_config()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], model
+
+
+def train(case: str, flash: bool, data) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int], list[str]]:
+    """(losses, adapters, stats, flashdora's warnings) of one run of ``case``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if case == "zero3-trainer":
+        flashdora.reset_stats()
+        backend._warned.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses, model = trainer_run(flash, data, world)
+        base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        if not (base.numel() == 0 and base.ds_numel > 0):
+            raise AssertionError(f"{case}: a base weight at rest is {tuple(base.shape)}, not partitioned")
+        said = [str(w.message) for w in caught if "flashdora" in str(w.message)]
+        return losses, whole(model), flashdora.stats(), said
+    model = build()
+    if flash and case != "zero3-after":
+        flashdora.enable(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    stage = 2 if case == "zero2" else 3
+    if case == "zero3-accelerate":
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DeepSpeedPlugin
+
+        AcceleratorState._reset_state()  # a second Accelerator may not bring a plugin of its own (the run before)
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config(stage, world))
+        accelerator = Accelerator(deepspeed_plugin=plugin)
+        engine, opt = accelerator.prepare(model, opt)
+
+        def backward(loss):
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world))
+
+        def backward(loss):
+            engine.backward(loss)
+            engine.step()
+
+    if flash and case == "zero3-after":
+        flashdora.enable(model)
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    if stage == 3 and not (base.numel() == 0 and base.ds_numel > 0):
+        raise AssertionError(f"{case}: a base weight at rest is {tuple(base.shape)}, not partitioned")
+    if flash:
+        path = "peft:deepspeed_zero3" if stage == 3 else f"flashdora:{'triton' if base.is_cuda else 'eager'}"
+        report = flashdora.report(model, print_table=False)
+        if f"DoRA layers by path: {path}: {N_LAYERS}" not in report:
+            raise AssertionError(f"{case}: report() says\n{report}")
+    flashdora.reset_stats()
+    backend._warned.clear()
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids in data:
+            mine = ids.chunk(world)[rank]
+            loss = engine(input_ids=mine, labels=mine).loss
+            backward(loss)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+    said = [str(w.message) for w in caught if "flashdora" in str(w.message)]
+    trained = whole(engine)
+    stats = flashdora.stats()
+    engine = model = opt = None
+    gc.collect()
+    return losses, trained, stats, said
+
+
+def check(case: str, steps: int, ref) -> None:
+    rank = dist.get_rank()
+    data = batches(steps, 2 * dist.get_world_size())
+    peft_losses, peft_adapters, peft_stats, _ = train(case, False, data)
+    losses, adapters, stats, said = train(case, True, data)
+    if peft_stats:
+        raise AssertionError(f"{case}: PEFT's run went through flashdora: {peft_stats}")
+    calls = 2 * N_LAYERS * steps  # every layer twice a step: the forward and the checkpoint's recomputation
+    if case.startswith("zero3"):
+        if stats != {"peft_fallback:deepspeed_zero3": calls}:
+            raise AssertionError(f"{case}: stats {stats}, expected every call on PEFT's route")
+        if len(said) != 1 or "deepspeed_zero3" not in said[0]:
+            raise AssertionError(f"{case}: flashdora warned {said}")
+    else:  # once per layer per step (the recomputation from the cache); the frozen base's ||W||^2 once in the run
+        norms = stats.get("norm:eager", 0) + stats.get("norm:triton", 0)
+        fallbacks = [k for k in stats if k.startswith("peft_fallback")]
+        if norms != N_LAYERS * steps or stats.get("norm:base_sq") != N_LAYERS or fallbacks or said:
+            raise AssertionError(f"{case}: stats {stats}, warnings {said}")
+    if rank == 0:
+        ref_losses, ref_adapters = ([None] * steps, {}) if case == "zero3-trainer" else ref
+        if len(losses) != steps or len(peft_losses) != steps:
+            raise AssertionError(f"{case}: losses {losses} and PEFT's {peft_losses} for {steps} steps")
+        for step in range(steps):
+            for name, want in (("PEFT under DeepSpeed", peft_losses[step]), ("PEFT in one process", ref_losses[step])):
+                if want is not None:
+                    close(torch.tensor(losses[step]), torch.tensor(want), f"{case} loss at step {step} vs {name}")
+        if set(adapters) != set(peft_adapters) or len(adapters) != 3 * N_LAYERS or set(ref_adapters) - set(adapters):
+            raise AssertionError(f"{case}: adapters {sorted(adapters)[:3]}..., PEFT's {sorted(peft_adapters)[:3]}...")
+        for name, want in peft_adapters.items():
+            close(adapters[name], want, f"{case} {name} vs PEFT under DeepSpeed", 1e-5)
+            if name in ref_adapters:
+                close(adapters[name], ref_adapters[name], f"{case} {name} vs PEFT in one process", 1e-4)
+        print(f"OK {case}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", nargs="+", choices=list(CASES), default=list(CASES))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
+    args = p.parse_args()
+    if args.device == "cuda":
+        dist_worker.DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dist_worker.DEVICE)
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ref = reference(args.steps, batches(args.steps, 2 * world)) if rank == 0 else None
+        for case in args.case:
+            check(case, args.steps, ref)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
