@@ -109,8 +109,8 @@ def _sharded(t) -> bool:
 
 def reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
     """``unsupported_reason`` from the layer's parts, as the forward has them in hand."""
-    if "ds_id" in lora_A.__dict__ or "ds_id" in weight.__dict__:  # DeepSpeed ZeRO-3: empty outside its gathers
-        return "deepspeed_zero3"
+    if not torch.compiler.is_compiling() and (hasattr(lora_A, "ds_id") or hasattr(weight, "ds_id")):
+        return "deepspeed_zero3"  # DeepSpeed ZeRO-3: empty outside its hooks' gathers (which fall back too)
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not is_bnb(base):
