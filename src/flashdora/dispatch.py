@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from flashdora import backend, config, native
+from flashdora.layers import hooked_adapter, is_bnb, reason
 
 COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton")
 NORM = ("-", "eager", "triton", "native")
@@ -44,6 +45,7 @@ class Route(NamedTuple):
         return f"{self.compose}/{self.norm}/{self.base}"
 
 
+_F64 = torch.float64
 SEEN: set[tuple[str, str, str]] = set()  # every (compose, norm, base) taken in this process (the route table's test)
 _ROUTES: dict[tuple, Route] = {}  # interned routes: one tuple per kind, built once
 
@@ -96,8 +98,6 @@ def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False) -> str
 def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result) -> str | None:
     """Why this call runs PEFT's own forward, or ``None``. The order is ``report()``'s (``layers.unsupported_reason``
     gives the static part)."""
-    from flashdora.layers import hooked_adapter, is_bnb, reason
-
     why = reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
     if why is None and (hook := hooked_adapter(module, adapter)) is not None:
         why = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights
@@ -126,7 +126,11 @@ def layer_route(
     else:
         quantized = base_kind != "module"
         compose = compose_impl(result, bias, has_lx_base)
-        route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized), base_kind)
+        if compose in ("triton", "native") and _F64 not in (weight.dtype, lora_A.dtype, lora_B.dtype, magnitude.dtype):
+            norm = compose  # (the same device and no float64: what norm_impl would say, without its checks)
+        else:
+            norm = norm_impl(weight, lora_A, lora_B, magnitude, quantized)
+        route = _route(compose, norm, base_kind)
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
         routes = module.__dict__["_flashdora_routes"] = {}
