@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import flashdora
-from flashdora.parity import sample_batches, stdlib_corpus
+from flashdora.tools.parity import sample_batches, stdlib_corpus
 
 # name -> (hidden, layers, intermediate, heads, kv heads); the vocabulary is the 256 byte values
 SIZES = {"tiny": (64, 2, 128, 4, 2), "small": (256, 4, 688, 8, 4)}

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from flashdora.cli import main
+from flashdora.tools.cli import main
 
 HEADER_KEYS = {"bench", "command", "args", "commit", "dirty", "timestamp", "device", "versions", "protocol"}
 VERSION_KEYS = {"python", "torch", "cuda", "triton", "transformers", "peft", "flashdora"}

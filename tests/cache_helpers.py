@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flashdora
-from flashdora.demo import SIZES
+from flashdora.tools.demo import SIZES
 from tests.helpers import RTOL, rel_err
 
 OUT_RTOL = RTOL[torch.float32]

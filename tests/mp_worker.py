@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashdora
-from flashdora.bench.model_build import TARGETS
+from flashdora.tools.bench.model_build import TARGETS
 
 CONFIG = dict(
     hidden_size=1024, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flashdora
-from flashdora.demo import build_peft_model
+from flashdora.tools.demo import build_peft_model
 from tests.helpers import rel_err
 
 

@@ -10,8 +10,8 @@ import torch
 
 import flashdora
 import flashdora.native
-from flashdora.bench import layer, model, record
-from flashdora.cli import main
+from flashdora.tools.bench import layer, model, record
+from flashdora.tools.cli import main
 from tests.bench_helpers import check_header, run_bench
 
 
@@ -159,7 +159,7 @@ def test_build_layers_share_values_across_modes():
 def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):
     """``bench fsdp --mp both``: the gap table (largest and last) and the PNG's second panel row; rows of another r
     or without a reference get no gap."""
-    from flashdora.bench import fsdp_render
+    from flashdora.tools.bench import fsdp_render
 
     def row(r, mp, mode, losses):
         return {"preset": "tiny", "r": r, "mp": mp, "mode": mode, "ms": 1.0, "losses": losses}
@@ -180,7 +180,7 @@ def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):
 def test_fsdp_render_pairs_interleaved_steps_with_loras():
     """``bench fsdp --interleave``: each mode's paired ratio is the median of its steps over PEFT LoRA's steps of the
     same rotation (not a ratio of medians); a launch-per-mode result gets no paired table."""
-    from flashdora.bench import fsdp_render
+    from flashdora.tools.bench import fsdp_render
 
     def row(mode, times):
         return {"preset": "tiny", "r": 4, "mp": "bf16", "mode": mode, "ms": sorted(times)[1], "times_ms": times}

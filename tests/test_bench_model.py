@@ -9,8 +9,8 @@ import transformers
 
 import flashdora
 import flashdora.native
-from flashdora.bench import model, model_phases
-from flashdora.cli import main
+from flashdora.tools.bench import model, model_phases
+from flashdora.tools.cli import main
 from tests.bench_helpers import check_header, md_row, run_bench
 
 
@@ -225,7 +225,7 @@ def test_native_off_restores_the_setting(monkeypatch):
 def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):
     """``--interleave``: a model per mode (copies of one base, the same adapter values), each timed step runs every
     mode once with the start rotated, train steps each mode's own weights, and the Markdown pairs steps."""
-    from flashdora.bench import model_interleave
+    from flashdora.tools.bench import model_interleave
 
     calls, models = [], {}
     make = model_phases.step_fn
@@ -275,7 +275,7 @@ def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):
 def test_model_interleave_out_of_memory_names_the_way_out(tmp_path, monkeypatch):
     """A model per mode that does not fit ends the run with a message naming the modes and the options to change,
     not a traceback."""
-    from flashdora.bench import model_interleave
+    from flashdora.tools.bench import model_interleave
 
     prepare, built = model_interleave.prepare, []
 

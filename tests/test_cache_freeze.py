@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import flashdora
-from flashdora.demo import build_peft_model
 from flashdora.ops import norm_cache
+from flashdora.tools.demo import build_peft_model
 from tests.ops.test_norm_cache import _ids, _logits_without_cache
 
 N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import flashdora
-from flashdora.demo import build_peft_model
+from flashdora.tools.demo import build_peft_model
 from tests.helpers import rel_err
 from tests.ops.test_norm_cache import _ids
 

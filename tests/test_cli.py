@@ -4,8 +4,8 @@ import sys
 import pytest
 import torch
 
-from flashdora import cli
-from flashdora.cli import UsageError, build_parser, main
+from flashdora.tools import cli
+from flashdora.tools.cli import UsageError, build_parser, main
 
 
 def test_demo_runs_and_prints_the_table(capsys):
@@ -23,7 +23,7 @@ def test_demo_runs_and_prints_the_table(capsys):
 
 
 def test_demo_speed_note_names_the_path():
-    from flashdora.demo import flashdora_path, speed_note
+    from flashdora.tools.demo import flashdora_path, speed_note
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert flashdora_path(cuda, {"triton": 3, "norm:triton": 3}) is None  # the real thing: no note

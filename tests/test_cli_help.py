@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flashdora import cli
+from flashdora.tools import cli
 
 COMMANDS = [[], ["demo"], ["parity"], ["bench"], ["bench", "layer"], ["bench", "model"]]
 HEAVY = ("torch", "transformers", "peft", "triton", "matplotlib", "rich")
@@ -89,8 +89,8 @@ def test_every_option_has_help():
 
 
 def test_choices_match_the_modules_that_use_them():
-    from flashdora import demo, parity
-    from flashdora.bench import fsdp, layer, layer_render, model_build, model_render
+    from flashdora.tools import demo, parity
+    from flashdora.tools.bench import fsdp, layer, layer_render, model_build, model_render
 
     assert set(cli.DEMO_SIZES) == set(demo.SIZES)
     assert cli.PARITY_DTYPES == parity.MODES

@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from flashdora import parity_render
-from flashdora.bench import record
+from flashdora.tools import parity_render
+from flashdora.tools.bench import record
 
 
 def _result(commit, sources=None) -> dict:

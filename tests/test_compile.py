@@ -7,8 +7,8 @@ import torch
 
 import flashdora
 from flashdora import dora_linear
-from flashdora.demo import build_peft_model
 from flashdora.ops.norm_cache import dora_scales_op
+from flashdora.tools.demo import build_peft_model
 from tests.helpers import dora_inputs, rel_err
 
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from flashdora import parity_dropout
-from flashdora.cli import UsageError, main
+from flashdora.tools import parity_dropout
+from flashdora.tools.cli import UsageError, main
 from tests.test_cli_help import _probe
 
 

@@ -166,7 +166,7 @@ def test_bench_fsdp_row_timeout_stops_the_ranks_and_keeps_the_rows(tmp_path):
                 text = cmdline.read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if "flashdora.bench.fsdp" in text and '"reps": 100000' in text:
+            if "flashdora.tools.bench.fsdp" in text and '"reps": 100000' in text:
                 alive.append(cmdline.parent.name)
         return alive
 

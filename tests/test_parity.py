@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import demo, parity
-from flashdora.cli import main
+from flashdora.tools import demo, parity
+from flashdora.tools.cli import main
 
 RANK, BATCH, SEQ = 4, 2, 32
 
@@ -182,7 +182,7 @@ def test_merge_combines_seeds_of_separate_runs(tmp_path):
 
 
 def test_pretrained_start_trains_the_base_and_scales_lora_b(corpus, tmp_path):
-    from flashdora.parity_pretrain import _dora_layers, _weight_and_delta, pretrain_base, scale_adapters
+    from flashdora.tools.parity_pretrain import _dora_layers, _weight_and_delta, pretrain_base, scale_adapters
 
     batches = parity.sample_batches(corpus, 40, 4, SEQ, seed=10_000)
     losses = []

@@ -7,8 +7,8 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 
 import flashdora
 from flashdora import peft_layers
-from flashdora.demo import build_peft_model
 from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
+from flashdora.tools.demo import build_peft_model
 from tests.helpers import backward_order, rel_err
 from tests.peft_models import (  # noqa: F401 (unpatched: an autouse fixture)
     MODELS,

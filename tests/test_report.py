@@ -1,7 +1,7 @@
 import pytest
 
 import flashdora
-from flashdora.demo import build_peft_model
+from flashdora.tools.demo import build_peft_model
 
 
 def test_report_lists_every_dora_layer_with_its_path(capsys):

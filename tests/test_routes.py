@@ -11,7 +11,7 @@ import torch
 
 import flashdora
 from flashdora import dispatch
-from flashdora.demo import build_peft_model
+from flashdora.tools.demo import build_peft_model
 
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig
 
 import flashdora
-from flashdora.demo import build_peft_model
+from flashdora.tools.demo import build_peft_model
 
 N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections
 

@@ -27,9 +27,9 @@ from peft import get_peft_model
 from peft.tuners.lora.layer import LoraLayer
 
 import flashdora
-from flashdora import cli, parity, parity_pretrain
-from flashdora.bench import record
 from flashdora.peft_integration import dropout_mode, layer_path
+from flashdora.tools import cli, parity, parity_pretrain
+from flashdora.tools.bench import record
 
 VARIANTS = ("peft_dora", "flashdora_adapter", "peft_lora")
 LABELS = {"peft_dora": "PEFT DoRA (exact)", "flashdora_adapter": "flashdora adapter", "peft_lora": "PEFT LoRA"}
@@ -163,7 +163,7 @@ def _seed_run(s: dict, seed: int, heldout: list[torch.Tensor], progress: _Progre
 
 
 def run(args: argparse.Namespace) -> int:
-    """The study; ``args`` as ``flashdora.cli`` parses and checks them. Writes the result files; returns 0."""
+    """The study; ``args`` as ``flashdora.tools.cli`` parses and checks them. Writes the result files; returns 0."""
     from rich.console import Console
 
     console = Console()
@@ -244,7 +244,7 @@ def render_markdown(result: dict) -> str:
 def render_png(result: dict, path: Path) -> None:
     """Training loss per variant and seed, that loss minus PEFT DoRA's (both running means), and each seed's held-out
     loss minus PEFT DoRA's: the paired differences, as the spread between seeds dwarfs the one between variants."""
-    from flashdora.parity_render import _running_mean
+    from flashdora.tools.parity_render import _running_mean
 
     fig, axes = record.figure(1, 3, (16, 4.5))
     curves, deltas, heldout = axes[0]
@@ -281,5 +281,5 @@ def print_summary(result: dict, console) -> None:
     console.print(f"layers (first seed): {layers}; call counters: {dict(sorted(result['path_counts'].items()))}")
 
 
-if __name__ == "__main__":  # ``python -m flashdora.parity_dropout ...`` is ``flashdora dropout-study ...``
+if __name__ == "__main__":  # ``python -m flashdora.tools.parity_dropout ...`` is ``flashdora dropout-study ...``
     sys.exit(cli.main(["dropout-study", *sys.argv[1:]]))

@@ -22,11 +22,11 @@ import time
 import torch
 
 import flashdora
-from flashdora.bench import record, timing
-from flashdora.bench.model_build import TARGETS, build_base, build_config, build_weights, default_rank, wrap
-from flashdora.bench.model_interleave import ORDER, run_interleaved
-from flashdora.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, native_off, phase_row, step_fn
-from flashdora.bench.model_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
+from flashdora.tools.bench import record, timing
+from flashdora.tools.bench.model_build import TARGETS, build_base, build_config, build_weights, default_rank, wrap
+from flashdora.tools.bench.model_interleave import ORDER, run_interleaved
+from flashdora.tools.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, native_off, phase_row, step_fn
+from flashdora.tools.bench.model_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
 
 
 def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) -> list[dict]:
@@ -124,7 +124,7 @@ def _order(args) -> str:
 def run(args) -> int:
     from rich.progress import Progress
 
-    device = torch.device(args.device)  # options checked by flashdora.cli.check
+    device = torch.device(args.device)  # options checked by flashdora.tools.cli.check
     name, config = build_config(args)
     if args.rank is None:
         args.rank = default_rank(config)

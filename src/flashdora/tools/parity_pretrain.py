@@ -18,7 +18,7 @@ def start_model(s: dict, seed: int, batches: list[torch.Tensor]) -> tuple[torch.
     """A seed's PEFT DoRA model for ``flashdora parity`` (settings ``s``): random, or with ``s["pretrain"]`` pretrained
     on ``batches`` first and ``lora_B`` scaled. Returns it and what to record beside the curves (the pretraining's
     first and last loss, the factor applied to ``lora_B``)."""
-    from flashdora import demo
+    from flashdora.tools import demo
 
     extra, prepare = {}, None
     if s["pretrain"]:

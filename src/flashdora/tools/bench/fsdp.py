@@ -32,14 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from flashdora.bench.fsdp_render import MODES, render_markdown, render_png  # noqa: F401 - for callers
+from flashdora.tools.bench.fsdp_render import MODES, render_markdown, render_png  # noqa: F401 - for callers
 
 
 def run(args) -> int:
     """The CLI: one ``torch.distributed.run`` launch per (rank, mode) row, then the result files."""
     import torch
 
-    from flashdora.bench import record
+    from flashdora.tools.bench import record
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     nproc = args.nproc or (torch.cuda.device_count() if device.startswith("cuda") else 2)
@@ -81,7 +81,7 @@ def _launch(nproc: int, opts: dict, timeout: float) -> str | None:
     (they run in sessions of their own, out of reach of a process-group kill), then SIGKILL if it is still there a
     minute later; Ctrl-C reaches torchrun with the terminal's process group, and this waits for it to clean up."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "-m",
-           "flashdora.bench.fsdp", json.dumps(opts)]  # fmt: skip
+           "flashdora.tools.bench.fsdp", json.dumps(opts)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, env=env)
     try:
@@ -108,7 +108,7 @@ def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
 
 def _rewrite(paths: dict, result: dict) -> None:
     """The result JSON replaced in one step (a run killed mid-write keeps the previous rows), then its renders."""
-    from flashdora.bench import record
+    from flashdora.tools.bench import record
 
     tmp = paths["json"].with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -169,7 +169,7 @@ def _build(opts: dict, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import flashdora
-    from flashdora.bench.model_build import PRESETS, TARGETS
+    from flashdora.tools.bench.model_build import PRESETS, TARGETS
 
     cls_name, fields = PRESETS[opts["preset"]]
     config = getattr(transformers, cls_name)(**fields)

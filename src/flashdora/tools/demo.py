@@ -118,7 +118,7 @@ def speed_note(device: torch.device, path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The demo; ``args`` as ``flashdora.cli`` parses and checks them."""
+    """The demo; ``args`` as ``flashdora.tools.cli`` parses and checks them."""
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table

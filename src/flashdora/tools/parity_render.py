@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashdora.bench import record
+from flashdora.tools.bench import record
 
 LOSS_BAR = 1e-3  # mean per-step |loss delta| (issue 5: 2000 steps x 3 seeds, bf16 autocast, r = 384)
 

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from flashdora.bench import record
-from flashdora.parity_checks import checks, summarize_training
+from flashdora.tools.bench import record
+from flashdora.tools.parity_checks import checks, summarize_training
 
 _SAME_SETTINGS = (
     "size", "steps", "rank", "dropout", "seq", "batch", "lr", "dtype", "floor", "device", "pretrain", "pretrain_lr",

@@ -21,7 +21,7 @@ import torch
 
 from flashdora import config
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[4]
 
 
 def _version(module: str) -> str | None:
@@ -106,7 +106,7 @@ def command_line() -> list[str]:
 def new_result(bench: str, device: torch.device | str, protocol: dict, args: dict) -> dict:
     """The header every result JSON starts with; the caller adds ``rows`` (or ``records``) and sections.
 
-    ``command`` is the argv ``flashdora.cli.main`` received (else this process's); ``args`` the parsed options.
+    ``command`` is the argv ``flashdora.tools.cli.main`` received (else this process's); ``args`` the parsed options.
     """
     commit, dirty = git_state()
     vers = versions()

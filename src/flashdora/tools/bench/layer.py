@@ -23,11 +23,11 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import flashdora
-from flashdora.bench import record, timing
-from flashdora.bench.kernels import bench_kernels, shape_name, timed
-from flashdora.bench.layer_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
-from flashdora.cli import LAYER_DTYPES as DTYPES  # noqa: F401 - the options are flashdora.cli's; for callers
-from flashdora.cli import parse_shape  # noqa: F401 - for callers
+from flashdora.tools.bench import record, timing
+from flashdora.tools.bench.kernels import bench_kernels, shape_name, timed
+from flashdora.tools.bench.layer_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
+from flashdora.tools.cli import LAYER_DTYPES as DTYPES  # noqa: F401 - the options are flashdora.tools.cli's; for callers
+from flashdora.tools.cli import parse_shape  # noqa: F401 - for callers
 
 
 def build_layer(weight: torch.Tensor, rank: int, use_dora: bool, dtype_mode: str):
@@ -209,7 +209,7 @@ _ORDERS = {
 def run(args) -> int:
     from rich.progress import Progress
 
-    device = torch.device(args.device)  # options checked by flashdora.cli.check
+    device = torch.device(args.device)  # options checked by flashdora.tools.cli.check
     torch.manual_seed(args.seed)
     protocol = {
         "warmup": args.warmup,

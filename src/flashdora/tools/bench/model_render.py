@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashdora.bench import record
+from flashdora.tools.bench import record
 
 MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")
 PHASES = ("inference", "grad", "train", "decode")

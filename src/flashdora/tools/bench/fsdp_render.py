@@ -3,7 +3,7 @@ ratios and peaks per row, the loss gaps of ``--mp both`` and the paired ratios o
 
 from __future__ import annotations
 
-from flashdora.bench import record
+from flashdora.tools.bench import record
 
 MODES = ("peft_lora", "peft_dora", "flashdora")
 

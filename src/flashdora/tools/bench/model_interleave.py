@@ -25,9 +25,9 @@ import time
 import torch
 
 import flashdora
-from flashdora.bench import timing
-from flashdora.bench.model_build import prepare, wrap
-from flashdora.bench.model_phases import native_off, phase_row, step_fn
+from flashdora.tools.bench import timing
+from flashdora.tools.bench.model_build import prepare, wrap
+from flashdora.tools.bench.model_phases import native_off, phase_row, step_fn
 
 ORDER = (
     "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "

@@ -1,8 +1,8 @@
 """The options of ``flashdora``'s commands: their choices and defaults as plain constants, and one ``add_*_arguments``
 per command.
 
-Split from ``flashdora.cli`` (which assembles the parser, checks the options and runs the command, and re-exports these
-names). Like it, this module imports nothing heavy: ``--help`` costs no torch import.
+Split from ``flashdora.tools.cli`` (which assembles the parser, checks the options and runs the command, and
+re-exports these names). Like it, this module imports nothing heavy: ``--help`` costs no torch import.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import argparse
 from pathlib import Path
 
 # Choices, as plain constants; tests/test_cli_help.py checks each against the module that owns it.
-DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.demo.SIZES
-PARITY_DTYPES = ("fp32", "autocast")  # flashdora.parity.MODES
-LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.layer_render.MODES
-LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.bench.layer_render.PHASES
-MODEL_PRESETS = ("tiny", "llama3-8b", "llama3-70b", "qwen2-7b", "qwen2.5-32b")  # flashdora.bench.model_build.PRESETS
-# flashdora.bench.model_render.MODES
+DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.tools.demo.SIZES
+PARITY_DTYPES = ("fp32", "autocast")  # flashdora.tools.parity.MODES
+LAYER_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.tools.bench.layer_render.MODES
+LAYER_PHASES = ("forward", "fwd_bwd")  # flashdora.tools.bench.layer_render.PHASES
+# flashdora.tools.bench.model_build.PRESETS
+MODEL_PRESETS = ("tiny", "llama3-8b", "llama3-70b", "qwen2-7b", "qwen2.5-32b")
+# flashdora.tools.bench.model_render.MODES
 MODEL_MODES = (
     "base",
     "peft_lora",
@@ -26,8 +27,8 @@ MODEL_MODES = (
     "flashdora_nocache",
     "flashdora_adapter",
 )
-MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.bench.model_render.PHASES
-FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.bench.fsdp.MODES
+MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.tools.bench.model_render.PHASES
+FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.tools.bench.fsdp.MODES
 # ``bench layer``'s defaults
 LAYER_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
 LAYER_RANKS = (16, 64, 384)
@@ -73,7 +74,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pretrain_arguments(p: argparse.ArgumentParser, steps: int) -> None:
-    """flashdora.parity_pretrain's options, for parity and dropout-study (it imports torch, so they are written
+    """flashdora.tools.parity_pretrain's options, for parity and dropout-study (it imports torch, so they are written
     here); ``steps``: --pretrain's default."""
     p.add_argument(
         "--pretrain",

@@ -17,9 +17,9 @@ from torch import nn
 
 import flashdora
 from flashdora import backend
-from flashdora.bench import record, timing
 from flashdora.ops.compose import compose_fwd_eager
 from flashdora.ops.norm import norm_sq_eager, scales, weight_sq_eager
+from flashdora.tools.bench import record, timing
 
 
 def shape_name(d_in: int, d_out: int) -> str:

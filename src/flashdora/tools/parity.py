@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 import flashdora
-from flashdora import cli, demo, parity_pretrain
-from flashdora.bench import record
-from flashdora.parity_checks import COSINE_BAR, F64_FACTOR, F64_SLACK, checks, summarize_training
-from flashdora.parity_merge import merge
-from flashdora.parity_render import LOSS_BAR, print_summary, render_markdown, render_png
+from flashdora.tools import cli, demo, parity_pretrain
+from flashdora.tools.bench import record
+from flashdora.tools.parity_checks import COSINE_BAR, F64_FACTOR, F64_SLACK, checks, summarize_training
+from flashdora.tools.parity_merge import merge
+from flashdora.tools.parity_render import LOSS_BAR, print_summary, render_markdown, render_png
 
 MODES = ("fp32", "autocast")
 MAGNITUDE_SPREAD = 0.05  # relative spread put on m before the logit check (see spread_magnitudes)
@@ -169,7 +169,7 @@ def make_record(args: dict, settings, fidelity, training, curves, check_list, co
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``flashdora parity``'s options (defined in ``flashdora.cli``, whose ``--help`` imports no torch)."""
+    """``flashdora parity``'s options (defined in ``flashdora.tools.cli``, whose ``--help`` imports no torch)."""
     cli.add_parity_arguments(parser)
 
 
@@ -288,5 +288,5 @@ def _write(result: dict, args: argparse.Namespace, console) -> int:
     return 0 if result["passed"] or args.no_check else 1
 
 
-if __name__ == "__main__":  # ``python -m flashdora.parity ...`` is ``flashdora parity ...``
+if __name__ == "__main__":  # ``python -m flashdora.tools.parity ...`` is ``flashdora parity ...``
     sys.exit(cli.main(["parity", *sys.argv[1:]]))

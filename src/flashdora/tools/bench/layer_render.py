@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flashdora.bench import record
-from flashdora.bench.kernels import render_kernels
+from flashdora.tools.bench import record
+from flashdora.tools.bench.kernels import render_kernels
 
 MODES = ("peft_lora", "peft_dora", "flashdora")
 PHASES = ("forward", "fwd_bwd")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from flashdora import config
-from flashdora.bench import timing
+from flashdora.tools.bench import timing
 
 LR = 1e-5
 TRAIN_OPTIMIZER = (
