@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from flashdora.parity_render import LOSS_BAR
+from flashdora.tools.parity_render import LOSS_BAR
 
 COSINE_BAR = {"fp32": 0.99999, "autocast": 0.9999}  # flashdora vs PEFT logits (issue 5)
 F64_FACTOR, F64_SLACK = 1.5, 1e-6  # flashdora's error vs float64 <= PEFT's * F64_FACTOR + F64_SLACK
