@@ -13,6 +13,7 @@ QUICK = [
     "tests/test_cache_routes.py::test_route[data.copy_+invalidate-",  # invalidate after a write behind autograd
     "tests/test_peft_integration.py",  # enable, disable, patch_peft, unpatch_peft; save and load with plain PEFT
     "tests/test_peft_enable_check.py",  # enable on a model with nothing to switch
+    "tests/test_pickle_old_modules.py",  # models saved before the move to flashdora.peft still load
     "tests/test_report.py",  # stats, reset_stats, report
     "tests/test_backend.py",  # FLASHDORA_BACKEND, configure
     "tests/test_double_backward.py::test_without_double_backward_create_graph_is_refused",  # double_backward

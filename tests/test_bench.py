@@ -152,8 +152,8 @@ def test_build_layers_share_values_across_modes():
     m = dora.lora_magnitude_vector["default"].weight
     assert torch.equal(fd.lora_magnitude_vector["default"].weight, m)
     assert fd.lora_magnitude_vector["default"].weight is not m
-    assert flashdora.peft_integration.layer_path(fd, "default").startswith("flashdora")
-    assert flashdora.peft_integration.layer_path(dora, "default") == "peft"
+    assert flashdora.peft.switch.layer_path(fd, "default").startswith("flashdora")
+    assert flashdora.peft.switch.layer_path(dora, "default") == "peft"
 
 
 def test_fsdp_render_gives_each_row_its_gap_to_dora_without_a_policy(tmp_path):

@@ -1,4 +1,4 @@
-"""A bitsandbytes layer's base result computed by flashdora (``bnb_base``): the layer's own values, bit for bit, only
+"""A bitsandbytes layer's base result computed by flashdora (``quant.base``): the layer's own values, bit for bit, only
 where flashdora makes the calls bitsandbytes makes (4-bit: where it dequantizes and calls ``F.linear``; 8-bit: its
 int8 product, with or without outlier columns); a 4-bit layer's dense weight handed to the norm-cache miss; PEFT's
 ``lora.bnb`` classes re-classed by ``enable`` and patched by ``patch_peft``.
@@ -18,7 +18,9 @@ from tests.peft_models import make_ids, train_step, unpatched  # noqa: F401 (fix
 from tests.qdora_models import bf16_model, int8_bf16_model, qdora_model
 
 bnb = pytest.importorskip("bitsandbytes")
-from flashdora import bnb_base, bnb_dequant, peft_layers  # noqa: E402
+from flashdora.peft import layers as peft_layers  # noqa: E402
+from flashdora.quant import base as bnb_base  # noqa: E402
+from flashdora.quant import dequant as bnb_dequant  # noqa: E402
 
 
 @pytest.fixture
@@ -190,7 +192,7 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
         assert fresh and torch.equal(bnb_dequant.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)
         assert bnb_dequant.held(packed, state) is None
-    monkeypatch.setattr(flashdora.variant, "flash_forward", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(flashdora.peft.variant, "flash_forward", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError), torch.no_grad():
         model(input_ids=make_ids(256))
     assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_dequant._held is None

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import bnb_base, dispatch, native
+from flashdora import dispatch, native
+from flashdora.quant import base as bnb_base
 from tests.peft_models import make_ids
 from tests.qdora_models import int8_bf16_model, qdora_model
 

@@ -208,10 +208,10 @@ def test_first_order_forward_saves_what_it_saved_before(backend, monkeypatch):
 
 
 def test_bitsandbytes_4bit_base_matches_peft(monkeypatch):
-    """A QDoRA model (nf4 bases, bitsandbytes on the CPU): flashdora's base Function (``bnb_base._Linear4bit``)
+    """A QDoRA model (nf4 bases, bitsandbytes on the CPU): flashdora's base Function (``quant.base._Linear4bit``)
     and the compose, differentiated twice, give PEFT + bitsandbytes' second order."""
     pytest.importorskip("bitsandbytes")
-    from flashdora import bnb_base
+    from flashdora.quant import base as bnb_base
     from tests.qdora_models import qdora_model
 
     monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))

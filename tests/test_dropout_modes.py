@@ -132,11 +132,11 @@ def test_exact_mode_is_peft_in_training():
 def test_patch_peft_takes_a_mode_and_enable_overrides_it():
     model, layer = _layer(torch.float64)
     flashdora.patch_peft(dropout="adapter")
-    assert flashdora.variant._patch_dropout == "adapter"
+    assert flashdora.peft.variant._patch_dropout == "adapter"
     flashdora.enable(model)  # the model's own mode: exact
     assert layer.__dict__["_flashdora_dropout"] == "exact"
     flashdora.unpatch_peft()
-    assert flashdora.variant._patch_dropout == "exact"
+    assert flashdora.peft.variant._patch_dropout == "exact"
 
 
 @pytest.mark.parametrize("call", ["enable", "patch_peft"])

@@ -48,7 +48,7 @@ def _bf16_model_fp32_adapters(dropout):
 
 def _seen_lora_inputs(model, run):
     """The dtypes of ``x`` that flashdora's variant receives while ``run()`` runs."""
-    from flashdora import variant
+    from flashdora.peft import variant
 
     seen, original = [], variant.run_compose
 
@@ -68,7 +68,7 @@ def _seen_lora_inputs(model, run):
 def test_input_cast_skip_is_bitwise_neutral(monkeypatch, dropout):
     """Under autocast, PEFT's cast of x to the fp32 adapters' dtype is skipped on flashdora layers without active
     dropout; outputs and every gradient stay bitwise equal to running with PEFT's cast."""
-    from flashdora import peft_layers
+    from flashdora.peft import layers as peft_layers
 
     model = _bf16_model_fp32_adapters(dropout)
     ids = make_ids(256)

@@ -6,8 +6,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 
 import flashdora
-from flashdora import peft_layers
-from flashdora.peft_integration import FlashDoraLinearVariant, PeftDoraLinearVariant
+from flashdora.peft import layers as peft_layers
+from flashdora.peft.variant import FlashDoraLinearVariant, PeftDoraLinearVariant
 from flashdora.tools.demo import build_peft_model
 from tests.helpers import backward_order, rel_err
 from tests.peft_models import (  # noqa: F401 (unpatched: an autouse fixture)
@@ -81,7 +81,7 @@ def test_layer_class_swap_is_invisible_and_falls_back_to_peft(monkeypatch):
     model, copies and pickles stay the same, and calls the lean path does not take run PEFT's forward."""
     import io
 
-    from flashdora.peft_layers import FlashDoraLinear
+    from flashdora.peft.layers import FlashDoraLinear
 
     model = llama()
     text = repr(model)

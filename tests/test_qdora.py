@@ -158,7 +158,8 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
     """On CUDA a 4-bit miss dequantizes with bitsandbytes' own kernels from C++: the same bits as
     ``bitsandbytes.functional.dequantize_4bit``, nf4 and fp4, with and without double quantization, for every
     compute dtype, without calling that Python function."""
-    from flashdora import bnb_dequant, native
+    from flashdora import native
+    from flashdora.quant import dequant as bnb_dequant
 
     assert native.module(wait=True) is not None
     torch.manual_seed(0)
@@ -189,7 +190,7 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
 
 def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):
     """Off CUDA a 4-bit weight is dequantized by ``bitsandbytes.functional.dequantize_4bit`` itself, once a call."""
-    from flashdora import bnb_dequant
+    from flashdora.quant import dequant as bnb_dequant
 
     layer = qdora_model("nf4").base_model.model.model.layers[0].self_attn.q_proj.base_layer
     calls = []
@@ -206,8 +207,8 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
     the layers' own forwards dequantize; an 8-bit weight's float32 values come a row chunk at a time."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from flashdora import bnb_dequant
     from flashdora.ops import norm_cache
+    from flashdora.quant import dequant as bnb_dequant
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     monkeypatch.setattr(bnb_dequant, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk

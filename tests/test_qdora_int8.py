@@ -66,7 +66,7 @@ def test_int8_dequantization_is_bitsandbytes_cast_a_chunk_at_a_time(dtype, monke
     """An 8-bit weight dequantizes to bitsandbytes' ``int8_vectorwise_dequant`` (PEFT's float32 weight) cast to the
     requested dtype, bit for bit, row chunk by row chunk: in a 16-bit dtype no float32 tensor larger than a chunk
     exists. The layer keeps its weight and scales (PEFT's CPU path re-assigns the weight)."""
-    from flashdora import bnb_dequant
+    from flashdora.quant import dequant as bnb_dequant
 
     layer = _int8_layer()
     weight, scb = layer.weight, layer.weight.SCB
@@ -129,8 +129,8 @@ def test_int8_dequantization_on_the_triton_path_is_one_kernel_with_the_same_bits
     """On the Triton path an 8-bit weight dequantizes to a 16-bit dtype in one kernel (tiles cut by both edges),
     bitsandbytes' float32 values cast, bit for bit, and no float32 tensor larger than the row scales is made on the
     way (the interpreter copies its arguments)."""
-    from flashdora import bnb_dequant
     from flashdora.kernels import dequant
+    from flashdora.quant import dequant as bnb_dequant
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     layer = _int8_layer(*shape, device=device)

@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "factored_norm": "flashdora.ops",
     "dora_linear": "flashdora.ops",
-    "enable": "flashdora.peft_integration",
-    "disable": "flashdora.peft_integration",
-    "patch_peft": "flashdora.peft_integration",
-    "unpatch_peft": "flashdora.peft_integration",
+    "enable": "flashdora.peft.switch",
+    "disable": "flashdora.peft.switch",
+    "patch_peft": "flashdora.peft.switch",
+    "unpatch_peft": "flashdora.peft.switch",
     "stats": "flashdora.backend",
     "reset_stats": "flashdora.backend",
     "report": "flashdora.report",
@@ -40,4 +40,4 @@ def __dir__() -> list[str]:
 
 
 if "peft" in sys.modules:  # PEFT already loaded (and torch with it): wrap its hotswap functions now (docs/design.md)
-    importlib.import_module("flashdora.watch")
+    importlib.import_module("flashdora.peft.watch")

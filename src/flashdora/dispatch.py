@@ -16,7 +16,7 @@ Fields:
 - ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
   planned), ``-`` (not flashdora's).
 - ``base``: how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a
-  bitsandbytes layer's own call), ``bnb`` (``bnb_base``: bitsandbytes' ops without its Python).
+  bitsandbytes layer's own call), ``bnb`` (``quant.base``: bitsandbytes' ops without its Python).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from flashdora import backend, config, native
-from flashdora.layers import hooked_adapter, is_bnb, reason
+from flashdora.peft.support import hooked_adapter, is_bnb, reason
 
 COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton")
 NORM = ("-", "eager", "triton", "native")
@@ -96,8 +96,8 @@ def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False) -> str
 
 
 def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result) -> str | None:
-    """Why this call runs PEFT's own forward, or ``None``. The order is ``report()``'s (``layers.unsupported_reason``
-    gives the static part)."""
+    """Why this call runs PEFT's own forward, or ``None``. The order is ``report()``'s
+    (``peft.support.unsupported_reason`` gives the static part)."""
     why = reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
     if why is None and (hook := hooked_adapter(module, adapter)) is not None:
         why = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights

@@ -11,7 +11,7 @@ from flashdora import backend
 
 def _dropout(module, adapter: str, path: str) -> str:
     """``-`` without dropout, else ``p=<p> <mode>``: ``exact`` (PEFT's function) or ``adapter`` (the opt-in)."""
-    from flashdora.peft_integration import dropout_mode
+    from flashdora.peft.variant import dropout_mode
 
     layer = module.lora_dropout[adapter] if adapter in module.lora_dropout else None
     p = getattr(layer, "p", 0.0)
@@ -24,7 +24,7 @@ def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str, str]]:
     from peft.tuners.lora.layer import LoraLayer
 
     from flashdora.dispatch import explain
-    from flashdora.peft_integration import layer_path
+    from flashdora.peft.switch import layer_path
 
     rows = []
     for name, module in model.named_modules():

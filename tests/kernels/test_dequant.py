@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from flashdora.bnb_dequant import _INT8_SCALE
 from flashdora.kernels import dequant
+from flashdora.quant.dequant import _INT8_SCALE
 
 
 def _int8(d_out, d_in, device, seed=0):
@@ -40,7 +40,7 @@ def test_int8_to_gives_the_bits_of_the_float32_dequantization_cast(d_out, d_in, 
 
 def test_takes_only_what_the_kernel_reads():
     """A 16-bit output of a contiguous 2-D int8 weight with one float32 scale per row on its device; else the row
-    chunks in ``bnb_dequant._dequantize_int8`` run."""
+    chunks in ``quant.dequant._dequantize_int8`` run."""
     data, scb = _int8(8, 6, "cpu")
     assert dequant.takes(data, scb, torch.bfloat16)
     assert not dequant.takes(data, scb, torch.float32)  # float32: bitsandbytes' own expression, no rounding

@@ -1,6 +1,6 @@
 """A bitsandbytes 8-bit weight (``Int8Params``: ``CB`` int8 rows, ``SCB`` float32 row scales) dequantized to a
 16-bit dtype in one pass: bitsandbytes' ``int8_vectorwise_dequant`` arithmetic (``CB * SCB * scale`` in float32, in
-that order; ``scale`` is its 1/127, ``bnb_dequant._INT8_SCALE``), rounded once to the output dtype. The same bits as
+that order; ``scale`` is its 1/127, ``quant.dequant._INT8_SCALE``), rounded once to the output dtype. The same bits as
 that function's float32 result cast, without the float32 ``[d_out, d_in]`` tensor (or its row chunks) and with one
 launch: a norm cache miss on an 8-bit base runs it once per layer and optimizer step."""
 

@@ -40,9 +40,9 @@ import weakref
 import torch
 
 from flashdora import backend, config, dispatch
-from flashdora.bnb_dequant import dequantized
 from flashdora.ops.cache_streams import capturing, in_tree_pool, join, made_on, stream_now
 from flashdora.ops.norm import fresh, scales_on, weight_sq
+from flashdora.quant.dequant import dequantized
 
 _steps = 0  # torch.optim steps taken in this process
 _events = 0  # other writes the version counters miss (module docstring)

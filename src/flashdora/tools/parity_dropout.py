@@ -27,7 +27,8 @@ from peft import get_peft_model
 from peft.tuners.lora.layer import LoraLayer
 
 import flashdora
-from flashdora.peft_integration import dropout_mode, layer_path
+from flashdora.peft.switch import layer_path
+from flashdora.peft.variant import dropout_mode
 from flashdora.tools import cli, parity, parity_pretrain
 from flashdora.tools.bench import record
 

@@ -8,7 +8,7 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from flashdora.bnb_dequant import dequantized  # noqa: F401 (peft_integration imports it from here)
+from flashdora.quant.dequant import dequantized  # noqa: F401 (peft.variant imports it from here)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

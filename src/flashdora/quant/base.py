@@ -6,9 +6,9 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
 
 - ``Linear4bit``: past ``_gemm_4bit_custom_max_m`` rows (1536 on CUDA in bitsandbytes 0.50) its ``gemm_4bit`` op
   dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
-  is dequantized by bitsandbytes' own kernels launched from C++ (``bnb_dequant``: the same bits), then ``F.linear``
+  is dequantized by bitsandbytes' own kernels launched from C++ (``quant.dequant``: the same bits), then ``F.linear``
   with the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a
-  norm-cache miss of the same layer needs: ``bnb_dequant.held`` hands it over (the miss then dequantizes nothing),
+  norm-cache miss of the same layer needs: ``dequant.held`` hands it over (the miss then dequantizes nothing),
   and ``release`` drops it once the layer's call is done.
 - ``Linear8bitLt`` (a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls the
   ``int8_scaled_mm`` op (``int8_mixed_scaled_mm`` above an outlier threshold); its backward dequantizes ``CB`` to the
@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashdora import backend, bnb_dequant, layers
-from flashdora.bnb_dequant import release  # noqa: F401 (peft_layers calls bnb_base.release)
+from flashdora import backend
+from flashdora.peft import support
+from flashdora.quant import dequant
+from flashdora.quant.dequant import release  # noqa: F401 (peft.layers calls quant.base.release)
 
 # Devices where ``result`` takes the path (CUDA, where the 4-bit dequantization runs from C++); tests add "cpu",
 # where bitsandbytes' default ``gemm_4bit`` dequantizes at every size.
@@ -33,9 +35,9 @@ DEVICES = ("cuda",)
 
 
 def _tested() -> bool:
-    """Whether this bitsandbytes is a version ``result`` was tested with (``bnb_dequant.bnb_tested``; not ROCm)."""
+    """Whether this bitsandbytes is a version ``result`` was tested with (``dequant.bnb_tested``; not ROCm)."""
     if "tested" not in _CACHE:
-        _CACHE["tested"] = bnb_dequant.bnb_tested() and not torch.version.hip
+        _CACHE["tested"] = dequant.bnb_tested() and not torch.version.hip
     return _CACHE["tested"]
 
 
@@ -73,7 +75,7 @@ def _plain_module(base) -> bool:
         _FORWARDS[name] = getattr(bnb.nn, name).forward
     if type(base).forward is not _FORWARDS[name] or "forward" in base.__dict__:
         return False
-    return layers.hooked(base) is None
+    return support.hooked(base) is None
 
 
 def _free(base, x) -> bool:
@@ -90,7 +92,7 @@ def _plan4(base, x):
     if not _tested() or not _free(base, x):
         return None
     _first_call_4bit(base, x)
-    weight = layers.param(base, "weight")
+    weight = support.param(base, "weight")
     state = getattr(weight, "quant_state", None)
     rows = _min_rows(x.device.type)
     if state is None or rows is None or getattr(state, "packing_format_for_cpu", False) or len(state.shape) != 2:
@@ -101,11 +103,11 @@ def _plan4(base, x):
     cd = base.compute_dtype
     if (x.dtype if cd is None else cd) != state.dtype or weight.device != x.device:
         return None  # (bitsandbytes dequantizes into the input's dtype; the C++ path, into the state's)
-    bias = layers.param(base, "bias")
+    bias = support.param(base, "bias")
     if bias is not None and (bias.requires_grad or bias.dtype != state.dtype):
         return None  # (bitsandbytes then casts the bias in place, or trains it)
     packed = weight.detach()
-    if packed.is_cuda and bnb_dequant.native_4bit(packed, state) is None:
+    if packed.is_cuda and dequant.native_4bit(packed, state) is None:
         return None  # no C++ dequantization here: nothing to gain
     return (x if cd is None else x.to(cd)), packed, state, bias
 
@@ -114,7 +116,7 @@ def _first_call_4bit(base, x) -> None:
     """What ``Linear4bit.forward`` does to the layer before its product (bitsandbytes 0.50): the quant state put back
     on the weight, the compute dtype set from the first input. Done here too, so that the layer's first call takes the
     route every later call takes: a checkpointed forward and its recomputation must save the same tensors."""
-    if getattr(layers.param(base, "weight"), "quant_state", None) is None:
+    if getattr(support.param(base, "weight"), "quant_state", None) is None:
         from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
         fix_4bit_weight_quant_state_from_module(base)
@@ -127,7 +129,7 @@ def _first_call_8bit(base) -> None:
     """``Linear8bitLt.forward``'s first-call work (bitsandbytes 0.50): the int8 weight and its scales moved into the
     layer's state, the weight's data then the state's ``CB``. Done here too, for the reason ``_first_call_4bit``
     gives."""
-    weight = layers.param(base, "weight")
+    weight = support.param(base, "weight")
     if getattr(weight, "CB", None) is not None:
         base.init_8bit_state()
         if not base.state.has_fp16_weights and base.state.CB is not None:
@@ -139,7 +141,7 @@ class _Linear4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, state, bias):
-        w = bnb_dequant.hold(packed, state)
+        w = dequant.hold(packed, state)
         ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
         ctx.state = state
         return F.linear(x, w, bias)
@@ -149,7 +151,7 @@ class _Linear4bit(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         (packed,) = ctx.saved_tensors
-        return torch.matmul(grad, bnb_dequant.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
+        return torch.matmul(grad, dequant.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
 
 
 def _plan8(base, x):
@@ -157,7 +159,7 @@ def _plan8(base, x):
     if not _tested() or not _free(base, x) or x.dim() not in (2, 3):
         return None
     _first_call_8bit(base)
-    state, weight = base.state, layers.param(base, "weight")
+    state, weight = base.state, support.param(base, "weight")
     cb, scb = state.CB, state.SCB
     if cb is None or scb is None or getattr(weight, "CB", None) is not None or weight.requires_grad:
         return None  # (the layer's first call moves CB into its state)
@@ -165,7 +167,7 @@ def _plan8(base, x):
         return None
     if base.training and x.device.type in ("cpu", "xpu"):
         return None  # bitsandbytes trains through MatMul8bitFp there
-    bias = layers.param(base, "bias")
+    bias = support.param(base, "bias")
     if bias is not None and (bias.requires_grad or bias.dtype != x.dtype):
         return None
     return cb, scb, bias, state
@@ -216,7 +218,7 @@ class _Linear8bit(torch.autograd.Function):
 def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
     else it is the layer's own call. The caller ``release``s once the layer's call is done (a ``finally``)."""
-    bnb_dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
+    dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
         plan = _plan4(base, x)
@@ -238,5 +240,5 @@ def _result4(x, xc, packed, state, bias):
     if torch.is_grad_enabled() and xc.requires_grad:
         out = _Linear4bit.apply(xc, packed, state, bias)
     else:
-        out = F.linear(xc, bnb_dequant.hold(packed, state), bias)
+        out = F.linear(xc, dequant.hold(packed, state), bias)
     return out.to(x.dtype)

@@ -2,7 +2,7 @@
 
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
-``native_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``bnb_base.result`` computed the
+``native_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
 layer's base result itself, the 4-bit weight its forward dequantized is held here (``hold``) until the layer's call
 ends (``release``), and the miss takes it (``held``) instead of dequantizing again.
 """
@@ -28,8 +28,8 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
     C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
-    layer's base result itself (``bnb_base``), the weight that forward dequantized (``held``). An 8-bit weight comes in
-    ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
+    layer's base result itself (``quant.base``), the weight that forward dequantized (``held``). An 8-bit weight comes
+    in ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
     with torch.no_grad():
@@ -174,7 +174,7 @@ def hold(packed, state) -> torch.Tensor:
 
 
 def held(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """The dense weight the last ``bnb_base.result`` dequantized, if it is ``packed``'s under ``state`` at its
+    """The dense weight the last ``quant.base.result`` dequantized, if it is ``packed``'s under ``state`` at its
     version now."""
     got = _held
     if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:

@@ -1,0 +1,1 @@
+"""bitsandbytes: a quantized base layer's result and its dequantized weight (QDoRA)."""
