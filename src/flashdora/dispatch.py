@@ -1,9 +1,9 @@
 """The one place a DoRA layer call is routed.
 
 ``layer_route`` decides, once per call of a PEFT DoRA Linear layer, from the settings (``config``) and the call's
-state, which code computes it; ``flashdora_route`` does the same for the public ``dora_linear``. The ``Route`` is
+state, which code computes it; ``linear_route`` does the same for the public ``dora_linear``. The ``Route`` is
 passed down: the compose, the norm cache and the kernels below run what it names and never ask again. ``explain``
-gives ``report()`` the route a layer last took (or would take now). docs/design.md, "Routes", lists every route
+gives ``report()`` the route a layer's last call took. docs/design.md, "Routes", lists every route
 (tests/test_routes.py and the test session's end check that no other is ever taken: ``SEEN``).
 
 Fields:
