@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from flashdora import backend, native
+from flashdora import backend, config, native
 
 _held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
 
@@ -92,26 +92,24 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return out
 
 
-_BNB_KERNELS_TESTED = ((0, 50), (0, 51))  # bitsandbytes versions whose exported kernels the C++ path calls
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def bnb_tested() -> bool:
     """Whether the installed bitsandbytes is a version flashdora's uses of its internals were tested with
-    (``_BNB_KERNELS_TESTED``)."""
+    (``config.TESTED``: the exported kernels the C++ path calls, the private names ``quant.base`` reads)."""
     try:
         import bitsandbytes as bnb
-
-        version = tuple(int(p) for p in bnb.__version__.split(".")[:2])
-    except (ImportError, ValueError):
+    except ImportError:
         return False
-    return _BNB_KERNELS_TESTED[0] <= version < _BNB_KERNELS_TESTED[1]
+    lo, hi = config.TESTED["bitsandbytes"]
+    return lo <= config._minor(str(bnb.__version__)) <= hi
 
 
 @functools.cache
 def bnb_kernel(name: str) -> int:
     """The address of a kernel wrapper bitsandbytes' library exports (``cdequantize_blockwise_bf16_nf4``...), or 0:
-    not a tested bitsandbytes version (``_BNB_KERNELS_TESTED``; the signatures are its library's, not a public API),
+    not a tested bitsandbytes version (``config.TESTED``; the signatures are its library's, not a public API),
     no CUDA library, no such symbol."""
     try:
         from bitsandbytes.cextension import lib
