@@ -112,7 +112,7 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch and Triton's launcher 20-50 us more,
     which a DoRA layer of ordinary size cannot hide.
     """
-    if not backend.private_apis():  # untested torch or Triton: the plain launch (backend.TESTED)
+    if not backend.private_apis():  # untested torch or Triton: the plain launch (config.TESTED)
         kernel[grid](*args, **flags)
         return
     tuned_key = (id(kernel), key)
