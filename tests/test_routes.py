@@ -82,3 +82,18 @@ def test_fallback_routes_are_listed(monkeypatch):
     flashdora.enable(meta)(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
     assert ("peft", "-", "module") in dispatch.SEEN and ("meta", "-", "module") in dispatch.SEEN
     assert not unlisted(dispatch.SEEN), unlisted(dispatch.SEEN)
+
+
+def test_configure_changes_the_route_at_the_next_call(monkeypatch):
+    """``flashdora.configure`` takes effect from the next layer call: Triton (interpreter) then eager, same model."""
+    monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
+    model = flashdora.enable(build_peft_model("tiny", 4, 0.0, "cpu")).eval()
+    layer = next(m for m in model.modules() if hasattr(m, "lora_variant"))
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+        assert dispatch.last_route(layer, "default")[:2] == ("triton", "triton")
+        flashdora.configure(backend="eager")
+        ref = model(input_ids=ids).logits
+        assert dispatch.last_route(layer, "default")[:2] == ("eager", "eager")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
