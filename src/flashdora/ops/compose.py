@@ -24,10 +24,10 @@ from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and 
     _cast,
     _compute_dtype,
     _fwd,
-    _lora_a,
     _mm,
     compose_bwd_eager,
     compose_fwd_eager,
+    lora_a_for,
 )
 
 
@@ -112,15 +112,10 @@ _sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)  # private:
 
 
 def _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq=-1) -> Tensor:
-    device_type = result.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    cd = _compute_dtype(device_type, lora_A, autocast)
-    a = _lora_a(lx, lora_A, cd, autocast)  # [..., r]
+    a, cd = lora_a_for(result, lx, lora_A, seq)  # (no grad: no node to order)
     triton = impl != "eager"
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
         return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, triton)[0]
-    if seq >= 0 and a.grad_fn is not None:
-        a.grad_fn._set_sequence_nr(seq)
     if impl == "native" and magnitude.requires_grad:
         y = native_bridge.compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
         if y is not None:

@@ -68,6 +68,27 @@ def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
 
 
+def lora_a_for(result, lx, lora_A, seq=-1):
+    """``(a, compute dtype)`` for a compose producing ``result``: ``_lora_a`` in the dtype PEFT's matmul gets, its
+    autograd node given the sequence number ``seq`` (``ops.compose.after_base``; ``-1``: as recorded)."""
+    device_type = result.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    cd = _compute_dtype(device_type, lora_A, autocast)
+    a = _lora_a(lx, lora_A, cd, autocast)  # [..., r]
+    if seq >= 0 and a.grad_fn is not None:
+        a.grad_fn._set_sequence_nr(seq)
+    return a, cd
+
+
+def check_version(lora_B, b_version) -> None:
+    """Refuse a backward whose ``lora_B`` was written in place after the forward (its values are gone)."""
+    if lora_B._version != b_version:
+        raise RuntimeError(
+            "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
+            f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
+        )
+
+
 _kc = None  # flashdora.kernels.compose, once a Triton call has imported it (``import flashdora`` needs no Triton)
 
 
@@ -179,11 +200,7 @@ class ComposeFunction(torch.autograd.Function):
             raise RuntimeError(DOUBLE_BACKWARD)
         a, inner = ctx.saved_tensors
         scaling, has_lx_base, has_bias, lora_B, b_version, scales, triton = ctx.meta
-        if lora_B._version != b_version:
-            raise RuntimeError(
-                "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
-                f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
-            )
+        check_version(lora_B, b_version)
         grads = _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, ctx.needs_input_grad, triton)
         return (*grads, None, None, None, None)
 

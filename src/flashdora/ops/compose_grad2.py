@@ -22,7 +22,7 @@ import torch
 
 from flashdora import backend, config
 from flashdora.ops.compose_fn import DOUBLE_BACKWARD as REFUSED  # noqa: F401 - the refusal's text, named here too
-from flashdora.ops.compose_fn import _bwd, _compute_dtype, _fwd, _lora_a, _mm
+from flashdora.ops.compose_fn import _bwd, _fwd, _mm, check_version, lora_a_for
 
 
 class double_backward:  # noqa: N801 - used like torch.set_grad_enabled: a call, or a context manager
@@ -58,12 +58,7 @@ def enabled() -> bool:
 def compose(triton, result, lx, lora_A, lora_B, magnitude, scales, scaling, bias=None, lx_base=None, seq=-1):
     """The compose on the ``double-eager`` / ``double-triton`` route (a forward with grad under ``double_backward``):
     ``ComposeGrad2``, with the Triton kernels where ``triton``."""
-    device_type = result.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    cd = _compute_dtype(device_type, lora_A, autocast)
-    a = _lora_a(lx, lora_A, cd, autocast)
-    if seq >= 0 and a.grad_fn is not None:
-        a.grad_fn._set_sequence_nr(seq)
+    a, cd = lora_a_for(result, lx, lora_A, seq)
     return ComposeGrad2.apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd, triton)[0]
 
 
@@ -96,14 +91,6 @@ class ComposeGrad2(torch.autograd.Function):
             if d_inner is not None:
                 add_inner_grads(grads, d_inner, a, lora_B, scaling, has_lx, has_bias, needs)
         return (*grads, None, None, None, None)
-
-
-def check_version(lora_B, b_version) -> None:
-    if lora_B._version != b_version:
-        raise RuntimeError(
-            "flashdora: lora_B was modified by an inplace operation between the forward and the backward "
-            f"(version {b_version} -> {lora_B._version}); the backward needs the values the forward used"
-        )
 
 
 def graph_grads(dy, a, inner, lora_B, magnitude, scales, scaling, has_lx, has_bias, needs):
