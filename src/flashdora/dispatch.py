@@ -86,9 +86,12 @@ def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False) -> 
     return "triton"
 
 
-def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False) -> str:
+def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False, compose: str | None = None) -> str:
     """What a norm-cache miss of this layer runs: ``eager``, ``triton`` or ``native``. A dequantized weight is never
-    float64: its adapters decide."""
+    float64: its adapters decide. ``compose``: the call's compose route, when known: a ``triton`` or ``native``
+    compose on the same device with no float64 tensor gives the norm the same answer, without the checks."""
+    if compose in ("triton", "native") and _F64 not in (weight.dtype, lora_A.dtype, lora_B.dtype, magnitude.dtype):
+        return compose
     tensors = (lora_A, lora_B, magnitude) if quantized else (weight, lora_A, lora_B, magnitude)
     if weight.is_meta or not backend.use_triton(*tensors):
         return "eager"
@@ -126,11 +129,7 @@ def layer_route(
     else:
         quantized = base_kind != "module"
         compose = compose_impl(result, bias, has_lx_base)
-        if compose in ("triton", "native") and _F64 not in (weight.dtype, lora_A.dtype, lora_B.dtype, magnitude.dtype):
-            norm = compose  # (the same device and no float64: what norm_impl would say, without its checks)
-        else:
-            norm = norm_impl(weight, lora_A, lora_B, magnitude, quantized)
-        route = _route(compose, norm, base_kind)
+        route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose), base_kind)
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
         routes = module.__dict__["_flashdora_routes"] = {}
@@ -138,13 +137,19 @@ def layer_route(
     return route
 
 
-def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base: bool) -> Route:
-    """The route of one ``dora_linear`` call (validated inputs; ``result``: ``x W^T + bias``, ``None`` under meta
-    tensors or a ``torch.func`` transform, which take the reference before it is computed)."""
+def linear_reference_route(x, weight) -> Route | None:
+    """The route of a ``dora_linear`` call that takes the plain-torch reference (meta tensors; a ``torch.func``
+    transform, with which the reference composes), else ``None``: ``linear_route`` then routes it."""
     if x.is_meta or weight.is_meta:
         return _route("meta", "-", "module")
     if backend.functorch_active():
-        return _route("peft", "-", "module", "torch.func")  # (the plain-torch reference: composes with transforms)
+        return _route("peft", "-", "module", "torch.func")
+    return None
+
+
+def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base: bool) -> Route:
+    """The route of a ``dora_linear`` call that ``linear_reference_route`` left (validated inputs; ``result``:
+    ``x W^T + bias``)."""
     if torch.compiler.is_compiling():  # (the norm: decided inside the cache's custom op when it runs)
         return _route("traced", "triton" if x.is_cuda else "eager", "module")
     compose = compose_impl(result, bias, has_lx_base)

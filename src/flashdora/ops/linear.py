@@ -75,9 +75,8 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
                 f"{fn}: lora_x expected dtype {x.dtype} (the dtype of x, outside autocast), got {lora_x.dtype}"
             )
     scaling = _checks.scaling(fn, scaling)
-    if x.is_meta or weight.is_meta or backend.functorch_active():
-        # shapes only, or a torch.func transform: the plain-torch formula, which composes with all of them
-        route = dispatch.linear_route(x, weight, bias, lora_A, lora_B, magnitude, None, lora_x is not None)
+    route = dispatch.linear_reference_route(x, weight)
+    if route is not None:  # shapes only, or a torch.func transform: the plain-torch formula, which composes with both
         if route.compose == "peft":
             backend.count("fallback:torch.func")
             backend.warn_once("torch.func", "flashdora: dora_linear under a torch.func transform runs plain torch ops")
