@@ -12,7 +12,8 @@ Fields:
   (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the
   Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their
   launch plans), ``double-eager`` / ``double-triton`` (a forward with grad under ``flashdora.double_backward``: the
-  compose that a second backward can go through).
+  compose that a second backward can go through), ``mixed-eager`` / ``mixed-triton`` / ``mixed-traced`` (a call
+  with PEFT's ``adapter_names``: every named adapter in one compose, ``ops.mixed``; ``mixed_route``).
 - ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
   planned), ``-`` (not flashdora's).
 - ``base``: how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a
@@ -28,7 +29,10 @@ import torch
 from flashdora import backend, config, native
 from flashdora.peft.support import hooked_adapter, is_bnb, reason
 
-COMPOSE = ("peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton")
+COMPOSE = (
+    "peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton",
+    "mixed-eager", "mixed-triton", "mixed-traced",
+)  # fmt: skip
 NORM = ("-", "eager", "triton", "native")
 BASE = ("module", "layer", "bnb")
 
@@ -134,6 +138,27 @@ def layer_route(
     if routes is None:
         routes = module.__dict__["_flashdora_routes"] = {}
     routes[adapter] = route
+    return route
+
+
+def mixed_route(module, adapters, x, base_kind: str, why: str | None) -> Route:
+    """The route of a LoRA layer's call with ``adapter_names`` (``peft.mixed``): PEFT's sub-batch loop where
+    ``why`` (``peft.mixed.reason``) says so, else the mixed compose, traced inside ``torch.compile``, Triton where
+    ``use_triton``, else eager; its norm as a single-adapter call's. Recorded for each of ``adapters``."""
+    if why is not None:
+        route = _route("peft", "-", base_kind, f"mixed-batch:{why}")
+    elif torch.compiler.is_compiling():
+        route = _route("mixed-traced", "triton" if x.is_cuda else "eager", base_kind)
+    elif backend.use_triton(x):
+        route = _route("mixed-triton", "native" if x.is_cuda and config.native_on and native_ready() else "triton",
+                       base_kind)  # fmt: skip
+    else:
+        route = _route("mixed-eager", "eager", base_kind)
+    routes = module.__dict__.get("_flashdora_routes")
+    if routes is None:
+        routes = module.__dict__["_flashdora_routes"] = {}
+    for adapter in adapters:
+        routes[adapter] = route
     return route
 
 

@@ -49,6 +49,26 @@ COMPOSE_FUSED = _pick(
     triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
 
+# Mixed-adapter compose (kernels/mixed.py): the fused form's GEMM tiles over [tokens, d_out], K = summed ranks;
+# decoding has few tokens (BLOCK_M 16), prefill many (BLOCK_M 64: ``prune_mixed``); key ["N", "R"].
+MIXED_FWD = _pick(
+    [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+    ],
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=1, num_stages=1),
+)
+MIXED_DECODE_TOKENS = 64  # up to this many tokens a call, the decode tile
+
+
+def prune_mixed(configs, named_args, **kwargs):
+    """The mixed compose's decode tile for a few tokens, the prefill tile for more (the launch key says which)."""
+    if len(configs) == 1:
+        return configs
+    decode = named_args["T"] <= MIXED_DECODE_TOKENS
+    return [c for c in configs if (c.kwargs["BLOCK_M"] == 16) == decode] or configs
+
+
 # The backward walks a fixed token range per program (set by the wrapper, so dg's summation order does not depend
 # on the config) in steps of BLOCK_M.
 COMPOSE_BWD = _pick(

@@ -22,7 +22,7 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from flashdora.ops.compose import after_base
-from flashdora.peft import variant
+from flashdora.peft import mixed, variant
 from flashdora.peft.support import hooked_adapter
 from flashdora.peft.support import is_bnb as _bnb
 from flashdora.peft.support import param as _param
@@ -107,6 +107,8 @@ def plain_active(self, args, kwargs) -> str | None:
 
 def lean_forward(self, x, *args, **kwargs):
     """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
+    if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
@@ -142,6 +144,8 @@ def swap_linear_class(model: nn.Module, flash: bool) -> None:
 def _lean_forward_bnb(self, x, *args, **kwargs):
     """``FlashDoraLinear4bit.forward`` / ``FlashDoraLinear8bitLt.forward``, and PEFT's own classes' forward while
     ``patch_peft`` is on."""
+    if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
         return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
