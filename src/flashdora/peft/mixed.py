@@ -54,6 +54,11 @@ def forward(module, x, args, kwargs, peft_mixed):
     route = dispatch.mixed_route(module, adapters, x, base_kind, reason(module, adapters, x, args, kwargs))
     if route.compose == "peft":
         backend.count(f"peft_fallback:{route.why}")
+        backend.warn_once(
+            f"fallback:{route.why}",
+            f"flashdora: a mixed-adapter batch runs PEFT's per-adapter loop for a layer ({route.why}); "
+            "the fused path needs eval mode and no gradients (torch.inference_mode())",
+        )
         return peft_mixed(module, x, *args, adapter_names=names, **kwargs)
     backend.count(route.compose)
     result = base(x)
