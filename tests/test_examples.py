@@ -28,6 +28,14 @@ def test_trainer_recomputes_the_norm_after_every_optimizer_step():
     assert forwards > 0 and norms == forwards, counters
 
 
+def test_serve_adapters_matches_peft_per_request():
+    cmd = [sys.executable, str(EXAMPLES / "serve_adapters.py"), "--new-tokens", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": "", **_env()})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens equal to PEFT's per request: True" in proc.stdout
+    assert "'mixed-eager':" in proc.stdout  # the fused mixed path ran
+
+
 def _env():
     import os
 
