@@ -97,3 +97,19 @@ def test_configure_changes_the_route_at_the_next_call(monkeypatch):
         ref = model(input_ids=ids).logits
         assert dispatch.last_route(layer, "default")[:2] == ("eager", "eager")
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_untested_peft_runs_peft_forward_counted(monkeypatch):
+    """Outside ``config.TESTED``'s PEFT range, ``enable`` keeps PEFT's layer classes (their private surface is
+    untested) and each DoRA call runs PEFT's forward, counted as ``peft_fallback:peft-version``."""
+    from flashdora import config
+
+    monkeypatch.setattr(config, "_PEFT_TESTED", [False])
+    model = build_peft_model("tiny", 4, 0.0, "cpu", seed=0)
+    flashdora.enable(model)
+    assert all(type(m).__name__ != "FlashDoraLinear" for m in model.modules())
+    flashdora.reset_stats()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 8)))
+    stats = flashdora.stats()
+    assert stats.get("peft_fallback:peft-version", 0) > 0 and "eager" not in stats, stats

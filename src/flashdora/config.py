@@ -90,8 +90,21 @@ def tested_versions() -> bool:
     return tested("torch") and tested("triton")
 
 
-@functools.cache
+_PEFT_TESTED: list[bool] = []  # (a list, not functools.cache: torch.compile traces through a cache's wrapper)
+
+
 def peft_tested() -> bool:
+    """Whether the installed PEFT is a version the tests cover; asked on every layer call, inside ``torch.compile``
+    too, so it is worked out once, at the first call outside a compiled region (importlib.metadata reads files)."""
+    if not _PEFT_TESTED:
+        if torch.compiler.is_compiling():
+            return _peft_tested_now()
+        _PEFT_TESTED.append(tested("peft"))
+    return _PEFT_TESTED[0]
+
+
+@torch.compiler.assume_constant_result
+def _peft_tested_now() -> bool:
     return tested("peft")
 
 
