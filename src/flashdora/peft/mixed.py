@@ -19,7 +19,7 @@ from flashdora.ops import norm_cache
 from flashdora.ops.cache_streams import capturing
 from flashdora.ops.mixed import Pack, build_pack, mixed_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
-from flashdora.peft import variant
+from flashdora.peft import variant, watch
 from flashdora.peft.support import hooked, hooked_adapter, is_bnb, param
 from flashdora.peft.support import reason as support_reason
 
@@ -48,10 +48,15 @@ def forward(module, x, args, kwargs, peft_mixed):
     base = module._modules["base_layer"]
     if module._disable_adapters:
         return base(x, *args, **kwargs)
-    present = module._modules["lora_A"]._modules
-    adapters = tuple(sorted({n for n in names if n in present}))
     base_kind = "layer" if is_bnb(base) else "module"
-    route = dispatch.mixed_route(module, adapters, x, base_kind, reason(module, adapters, x, args, kwargs))
+    pack = None if torch.compiler.is_compiling() else _kept(module, base, names, x, args, kwargs)
+    if pack is not None:  # nothing it was built from has changed, and no hook or gradient asks for PEFT's loop
+        adapters = pack.adapters
+        route = dispatch.mixed_route(module, adapters, x, base_kind, None)
+    else:
+        present = module._modules["lora_A"]._modules
+        adapters = tuple(sorted({n for n in names if n in present}))
+        route = dispatch.mixed_route(module, adapters, x, base_kind, reason(module, adapters, x, args, kwargs))
     if route.compose == "peft":
         backend.count(f"peft_fallback:{route.why}")
         backend.warn_once(
@@ -65,7 +70,7 @@ def forward(module, x, args, kwargs, peft_mixed):
     result = base(x)
     if not adapters:
         return result
-    pack = _pack(module, base, adapters, x, route)
+    pack = pack or _pack(module, base, adapters, x, route)
     lora_A = pack.lora_A
     if not is_bnb(base) or not torch.is_autocast_enabled():  # (PEFT's cast of x to the adapters' dtype)
         x = x if x.dtype == lora_A.dtype else x.to(lora_A.dtype)
@@ -126,6 +131,68 @@ def reason(module, adapters, x, args, kwargs) -> str | None:
     return None
 
 
+def _tensors(module, adapters) -> list:
+    """The adapter tensors a pack is built from: each adapter's A, B and (DoRA) magnitude."""
+    mods = module._modules
+    loras_A, loras_B = mods["lora_A"]._modules, mods["lora_B"]._modules
+    magnitudes, variants = mods["lora_magnitude_vector"]._modules, module.lora_variant
+    out = []
+    for adapter in adapters:
+        out.append(param(loras_A[adapter], "weight"))
+        out.append(param(loras_B[adapter], "weight"))
+        if adapter in variants:
+            out.append(param(magnitudes[adapter], "weight"))
+    return out
+
+
+def _fingerprint(module, base, adapters, x, tensors) -> tuple:
+    """What a kept pack must have been built from to serve this call: the base weight's norm-cache key, each adapter
+    tensor's identity, address and version (the pack holds them and their storage, so neither an id nor an address
+    can be reused while it lives), the scalings, the input dtype, the optimizer steps and events."""
+    weight = param(base, "weight")
+    weight = weight.detach() if is_bnb(base) else weight  # (a plain alias: see peft.variant.flash_forward)
+    scaling = module.scaling
+    return (
+        adapters, x.dtype, x.device, norm_cache._key(weight), tuple(scaling[a] for a in adapters), norm_cache._steps,
+        norm_cache._events, tuple((id(t), t.data_ptr(), t._version) for t in tensors),
+    )  # fmt: skip
+
+
+def _kept(module, base, names, x, args, kwargs) -> Pack | None:
+    """The layer's kept pack when this call may use it without asking the norm cache (host time per layer call:
+    one key per layer, three reads per adapter tensor, the hook checks), else ``None``: ``forward`` then routes it
+    in full."""
+    pack = module.__dict__.get("_flashdora_mixed")
+    if (
+        pack is None
+        or args
+        or kwargs
+        or module.training
+        or torch.is_grad_enabled()
+        or backend.functorch_active()
+        or not norm_cache.cache_enabled()
+        or watch.fsdp_hook is not None
+    ):  # fmt: skip  (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call)
+        return None
+    present = module._modules["lora_A"]._modules
+    if tuple(sorted({n for n in names if n in present})) != pack.adapters:
+        return None
+    tensors = _tensors(module, pack.adapters)
+    if _fingerprint(module, base, pack.adapters, x, tensors) != module.__dict__["_flashdora_mixed_held"][0]:
+        return None
+    mods = module._modules
+    modules = []
+    for adapter in pack.adapters:
+        modules.append(mods["lora_A"]._modules[adapter])
+        modules.append(mods["lora_B"]._modules[adapter])
+        modules.append(mods["lora_dropout"]._modules[adapter])
+        if adapter in module.lora_variant:
+            modules.append(mods["lora_magnitude_vector"]._modules[adapter])
+    if hooked(*modules) is not None:
+        return None
+    return pack
+
+
 def _pack(module, base, adapters, x, route) -> Pack:
     """The layer's ``Pack`` of ``adapters``: kept on the layer while its key holds (each DoRA adapter's scales as
     the norm cache serves them, every LoRA adapter's weights as the cache keys them, the scalings, the optimizer
@@ -170,8 +237,11 @@ def _pack(module, base, adapters, x, route) -> Pack:
         return kept
     pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales, key)
     if norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
+        tensors = _tensors(module, adapters)
+        fingerprint = _fingerprint(module, base, adapters, x, tensors)
         module.__dict__["_flashdora_mixed"] = pack
-        module.__dict__["_flashdora_mixed_refs"] = tuple(scales)  # (keeps the scales alive: their ids are the key)
+        # (the scales: their ids are the key; the tensors and their storage: their ids and addresses are _kept's)
+        module.__dict__["_flashdora_mixed_held"] = (fingerprint, tuple(scales), tensors, [t.detach() for t in tensors])
     return pack
 
 
