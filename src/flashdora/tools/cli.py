@@ -1,4 +1,4 @@
-"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer|model|fsdp``; each module does the work.
+"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer|model|fsdp|serve``; each module does the work.
 
 The parsers are assembled here from plain constants and the per-command ``add_*_arguments`` of
 ``flashdora.tools.cli_args`` (re-exported here), so ``--help`` and a bad option cost no torch import (the modules
@@ -30,12 +30,14 @@ from flashdora.tools.cli_args import (  # noqa: F401 - the options live in cli_a
     MODEL_PHASES,
     MODEL_PRESETS,
     PARITY_DTYPES,
+    SERVE_MODES,
     add_demo_arguments,
     add_dropout_study_arguments,
     add_fsdp_arguments,
     add_layer_arguments,
     add_model_arguments,
     add_parity_arguments,
+    add_serve_arguments,
     parse_shape,
 )
 
@@ -50,6 +52,10 @@ _COMMANDS = {
     "bench layer": ("flashdora.tools.bench.layer", "one DoRA layer: PEFT LoRA vs PEFT DoRA vs flashdora (GPU)"),
     "bench model": ("flashdora.tools.bench.model", "a whole model from a transformers config: modes x phases (GPU)"),
     "bench fsdp": ("flashdora.tools.bench.fsdp", "a training step under FSDP2 on several GPUs (torchrun inside)"),
+    "bench serve": (
+        "flashdora.tools.bench.serve",
+        "several adapters in one batch: prefill and decode, PEFT LoRA and DoRA vs flashdora's mixed batch (GPU)",
+    ),
 }
 _GROUPS = {"bench": "GPU benchmarks against PEFT"}
 # command -> (optional packages it needs, the pyproject extra that brings them)
@@ -60,6 +66,7 @@ _NEEDS = {
     "bench layer": (("rich", "matplotlib"), "bench"),
     "bench model": (("rich", "matplotlib"), "bench"),
     "bench fsdp": (("matplotlib",), "bench"),
+    "bench serve": (("rich", "matplotlib"), "bench"),
 }
 
 
@@ -114,6 +121,12 @@ _AT_LEAST = {
         "warmup": 0,
     },
     "bench fsdp": {**{k: 1 for k in ("nproc", "layers", "ranks", "seq", "batch", "reps")}, "warmup": 0},
+    "bench serve": {
+        **{
+            k: 1 for k in ("layers", "adapters", "ranks", "requests", "prompt", "new_tokens", "prefill_prompt", "reps")
+        },
+        "warmup": 0,
+    },
 }
 _POSITIVE = {"parity": ("lr", "pretrain_lr", "lora_b_ratio"), "bench fsdp": ("lr", "row_timeout")}  # finite floats > 0
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -150,10 +163,14 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
         if args.compile and "decode" in args.phases:
             error("--compile does not reach generate's forward passes; run decode without it")
-        if args.config is not None and not args.config.is_file():
-            error(f"--config {args.config}: no such file")
         if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
             error(f"--quant {args.quant} needs bitsandbytes: pip install bitsandbytes")
+    if args._command == "bench serve" and max(args.adapters) > args.requests:
+        error(
+            f"--adapters expected values <= --requests ({args.requests}, a request per adapter), got {args.adapters}"
+        )
+    if getattr(args, "config", None) is not None and not args.config.is_file():
+        error(f"--config {args.config}: no such file")
     for path in getattr(args, "merge", None) or ():
         if not Path(path).is_file():
             error(f"--merge {path}: no such file")

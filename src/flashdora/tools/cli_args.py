@@ -29,6 +29,7 @@ MODEL_MODES = (
 )
 MODEL_PHASES = ("inference", "grad", "train", "decode")  # flashdora.tools.bench.model_render.PHASES
 FSDP_MODES = ("peft_lora", "peft_dora", "flashdora")  # flashdora.tools.bench.fsdp.MODES
+SERVE_MODES = ("peft_lora_one", "peft_lora_mixed", "peft_dora_loop", "flashdora_mixed")  # bench.serve_render.MODES
 # ``bench layer``'s defaults
 LAYER_SHAPES = ("4096x4096", "4096x14336", "14336x4096", "8192x28672", "5120x27648")
 LAYER_RANKS = (16, 64, 384)
@@ -345,6 +346,61 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, results=True)
 
 
+class _ListAction(argparse.Action):
+    """A list option given as ``1,4,16``, ``1 4 16`` or both: integers (``integers=True``) or names from ``allowed``,
+    checked here so that an error names the option, commas or not; a value given twice is an error."""
+
+    def __init__(self, *args, integers: bool = False, allowed: tuple[str, ...] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.integers, self.allowed = integers, allowed
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = [v for text in values for v in text.split(",") if v]
+        if self.integers:
+            try:
+                items = [int(v) for v in items]
+            except ValueError:
+                raise argparse.ArgumentError(
+                    self, f"expected integers such as 1,4,16, got {' '.join(values)!r}"
+                ) from None
+        bad = [v for v in items if self.allowed is not None and v not in self.allowed]
+        if bad:
+            raise argparse.ArgumentError(self, f"invalid choice {bad[0]!r} (choose from {', '.join(self.allowed)})")
+        twice = [v for i, v in enumerate(items) if v in items[:i]]
+        if not items or twice:
+            raise argparse.ArgumentError(self, f"{twice[0]!r} given twice" if twice else "expected values")
+        setattr(namespace, self.dest, items)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
+    p.add_argument("--layers", type=int, help="override the number of decoder layers")
+    lists = dict(nargs="+", action=_ListAction, integers=True, metavar="N")
+    p.add_argument("--adapters", default=[1, 4, 16], help="adapters K served in one batch (default: 1,4,16)", **lists)
+    p.add_argument("--ranks", default=[16, 64], help="LoRA ranks; lora_alpha = 2 rank (default: 16,64)", **lists)
+    p.add_argument(
+        "--requests", type=int, default=16, help="requests per batch; request i uses adapter i %% K (default: 16)"
+    )
+    p.add_argument("--prompt", type=int, default=128, help="decode: prompt tokens per request (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode: greedy steps timed (default: %(default)s)")
+    p.add_argument("--prefill-prompt", type=int, default=512, help="prefill: tokens per request (default: 512)")
+    p.add_argument("--reps", type=int, default=3, help="timed steps per mode; the median is reported (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default: %(default)s)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        action=_ListAction,
+        allowed=SERVE_MODES,
+        metavar="MODE",
+        default=list(SERVE_MODES),
+        help="peft_lora_one: PEFT LoRA, one adapter for the batch (the floor); peft_lora_mixed: PEFT LoRA, "
+        "adapter_names; peft_dora_loop: PEFT DoRA, a sub-batch per adapter; flashdora_mixed: flashdora, "
+        "adapter_names over DoRA adapters (default: all)",
+    )
+    _common(p, results=True)
+
+
 _ADD = {
     "demo": add_demo_arguments,
     "parity": add_parity_arguments,
@@ -352,4 +408,5 @@ _ADD = {
     "bench layer": add_layer_arguments,
     "bench model": add_model_arguments,
     "bench fsdp": add_fsdp_arguments,
+    "bench serve": add_serve_arguments,
 }
