@@ -32,7 +32,7 @@ def build(specs=SPECS, dtype=torch.float32, device="cpu", hidden=64, layers=2, s
     )  # fmt: skip
     model = None
     for name, kw in specs.items():
-        lora = LoraConfig(target_modules="all-linear", init_lora_weights=False, **kw)
+        lora = LoraConfig(**{"target_modules": "all-linear", "init_lora_weights": False, **kw})
         model = get_peft_model(LlamaForCausalLM(config), lora, adapter_name=name) if model is None else model
         if name not in model.peft_config:
             model.add_adapter(name, lora)
@@ -259,3 +259,33 @@ def test_mixed_generate_under_reduce_overhead_matches_eager():
 def _generate(model, kw, compiled):
     with torch.inference_mode():
         return model.generate(**kw, disable_compile=not compiled)
+
+
+def test_mixed_hooks_replace_peft_walks_and_follow_structure():
+    """``enable`` puts ``peft.mixed_hooks.fast_hooks`` on the LoraModel (``disable`` removes it): PEFT's checks and
+    results without its per-call module walks; an adapter added after a mixed call (a new module anywhere: the
+    layer lists are made again), a LoRA embedding (PEFT's layer: PEFT's own hook) and beam search (PEFT's own
+    method) stay PEFT's per-row results."""
+    from flashdora.peft import mixed_hooks
+
+    specs = {**SPECS, "h": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "down_proj"])}
+    model = build(specs)
+    ids = ids_for(NAMES + ["h"])
+    flashdora.enable(model)
+    assert model.base_model.__dict__["_enable_peft_forward_hooks"].func is mixed_hooks.fast_hooks
+    names = NAMES + ["h"]
+    assert rel_err(mixed(model, ids, names), per_adapter(model, ids, names)) <= 1e-5
+    model.add_adapter("late", LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+    names = ["late"] + NAMES[1:] + ["h"]
+    assert rel_err(mixed(model, ids, names), per_adapter(model, ids, names)) <= 1e-5
+    flashdora.enable(model)
+    kw = dict(max_new_tokens=3, do_sample=False, num_beams=2, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(input_ids=ids[:2], adapter_names=["d1", "d2"], **kw)
+        flashdora.disable(model)
+        assert "_enable_peft_forward_hooks" not in model.base_model.__dict__
+        want = []
+        for i, name in enumerate(["d1", "d2"]):
+            model.set_adapter(name)
+            want.append(model.generate(input_ids=ids[i : i + 1], **kw))
+    assert torch.equal(got, torch.cat(want))

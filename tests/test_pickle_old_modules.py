@@ -47,7 +47,7 @@ def test_an_enabled_model_pickled_with_the_old_module_names_loads():
     old = _old(data)
     assert b"cflashdora.peft_integration\nFlashDoraLinearVariant\n" in old
     assert b"cflashdora.peft_layers\nFlashDoraLinear\n" in old and b"cflashdora.watch\n_loaded\n" in old
-    assert b"flashdora.peft." not in old
+    assert b"flashdora.peft." not in old.replace(b"cflashdora.peft.mixed_hooks\n", b"")  # (newer than the old names)
     loaded = pickle.loads(old)
     kinds = {type(m) for m in loaded.modules()} | {type(v) for m in loaded.modules() for v in _variants(m)}
     assert layers.FlashDoraLinear in kinds and variant.FlashDoraLinearVariant in kinds

@@ -23,6 +23,7 @@ from torch import nn
 
 from flashdora.ops.compose import after_base
 from flashdora.peft import mixed, variant
+from flashdora.peft.mixed_hooks import NAMES
 from flashdora.peft.support import hooked_adapter
 from flashdora.peft.support import is_bnb as _bnb
 from flashdora.peft.support import param as _param
@@ -86,6 +87,7 @@ class FlashDoraLinear(PeftLinear):
         return lean_forward(self, x, *args, **kwargs)
 
     _cast_input_dtype = cast_input_dtype
+    _flashdora_reads_names = True  # (its forward takes adapter_names from mixed_hooks.NAMES)
 
     def _get_name(self):
         return "Linear"
@@ -108,6 +110,9 @@ def plain_active(self, args, kwargs) -> str | None:
 def lean_forward(self, x, *args, **kwargs):
     """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
     if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
+    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
+        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
         return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
@@ -145,6 +150,9 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
     """``FlashDoraLinear4bit.forward`` / ``FlashDoraLinear8bitLt.forward``, and PEFT's own classes' forward while
     ``patch_peft`` is on."""
     if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
+    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
+        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
         return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
@@ -216,6 +224,7 @@ def flash_class(kind: str) -> type:
         _flash_classes[kind] = type(name, (peft_cls,), {
             "forward": _lean_forward_bnb,
             "_flashdora_kind": kind,
+            "_flashdora_reads_names": True,
             "_get_name": lambda self, _kind=kind: _kind,
             "__module__": __name__,
             "__qualname__": name,

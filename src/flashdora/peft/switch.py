@@ -24,7 +24,7 @@ from torch import nn
 from flashdora import backend, config, dispatch
 from flashdora.ops.norm_cache import NormCache
 from flashdora.peft import layers as peft_layers
-from flashdora.peft import variant, watch
+from flashdora.peft import mixed_hooks, variant, watch
 from flashdora.peft.enable_check import warn_if_nothing_to_enable
 from flashdora.peft.support import unsupported_reason
 from flashdora.peft.variant import (
@@ -126,6 +126,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
             module.__dict__["_flashdora_dropout"] = dropout
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     peft_layers.swap_linear_class(model, config.peft_tested())  # (PEFT's private surface: tested versions only)
+    mixed_hooks.install(model)  # (adapter_names without PEFT's per-call module walks)
     watch_writes(model, True)
     watch.watch_fsdp()
     warn_if_nothing_to_enable(model)  # one UserWarning naming what it found when no layer has use_dora=True
@@ -138,6 +139,7 @@ def disable(model: nn.Module) -> nn.Module:
         raise TypeError(f"disable: model expected a torch.nn.Module, got {type(model).__name__}")
     _swap_variants(model, PeftDoraLinearVariant)
     peft_layers.swap_linear_class(model, False)
+    mixed_hooks.uninstall(model)
     watch_writes(model, False)
     for module in model.modules():
         module.__dict__.pop("_flashdora_dropout", None)
