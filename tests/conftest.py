@@ -95,3 +95,14 @@ def poisoned_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+
+@pytest.fixture
+def no_command_runs(monkeypatch):
+    """``flashdora.tools.cli.main`` must stop before it imports the command's module."""
+    from flashdora.tools import cli
+
+    def refuse(args):
+        raise AssertionError(f"main ran {args._module} before rejecting the options")
+
+    monkeypatch.setattr(cli, "_run", refuse)

@@ -42,16 +42,6 @@ def test_every_subcommand_has_help():
         assert exit_info.value.code == 0
 
 
-@pytest.fixture
-def no_command_runs(monkeypatch):
-    """``main`` must stop before it imports the command's module."""
-
-    def refuse(args):
-        raise AssertionError(f"main ran {args._module} before rejecting the options")
-
-    monkeypatch.setattr(cli, "_run", refuse)
-
-
 BAD = [
     pytest.param(["demo", "--steps", "0"], "--steps expected >= 1, got 0", id="demo-steps"),
     pytest.param(["demo", "--rank", "-4"], "--rank expected >= 1, got -4", id="demo-rank"),

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from flashdora.tools import cli
 from flashdora.tools.bench.serve_render import MODES
 from flashdora.tools.cli import UsageError, main
 
@@ -56,16 +55,6 @@ def test_serve_writes_a_row_per_adapters_rank_and_mode(tmp_path, capsys):
     out = capsys.readouterr()
     assert "flashdora_mixed" in out.out and "wrote " in out.out
     assert "bench serve: K=2 r=4 rep 1/1" in out.err  # a progress line per (K, r, step)
-
-
-@pytest.fixture
-def no_command_runs(monkeypatch):
-    """``main`` must stop before it imports the command's module."""
-
-    def refuse(args):
-        raise AssertionError(f"main ran {args._module} before rejecting the options")
-
-    monkeypatch.setattr(cli, "_run", refuse)
 
 
 BAD = [

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flashdora.tools.cli_list import ListAction
+
 # Choices, as plain constants; tests/test_cli_help.py checks each against the module that owns it.
 DEMO_SIZES = ("tiny", "small", "medium", "base", "wide")  # flashdora.tools.demo.SIZES
 PARITY_DTYPES = ("fp32", "autocast")  # flashdora.tools.parity.MODES
@@ -346,37 +348,11 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, results=True)
 
 
-class _ListAction(argparse.Action):
-    """A list option given as ``1,4,16``, ``1 4 16`` or both: integers (``integers=True``) or names from ``allowed``,
-    checked here so that an error names the option, commas or not; a value given twice is an error."""
-
-    def __init__(self, *args, integers: bool = False, allowed: tuple[str, ...] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.integers, self.allowed = integers, allowed
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        items = [v for text in values for v in text.split(",") if v]
-        if self.integers:
-            try:
-                items = [int(v) for v in items]
-            except ValueError:
-                raise argparse.ArgumentError(
-                    self, f"expected integers such as 1,4,16, got {' '.join(values)!r}"
-                ) from None
-        bad = [v for v in items if self.allowed is not None and v not in self.allowed]
-        if bad:
-            raise argparse.ArgumentError(self, f"invalid choice {bad[0]!r} (choose from {', '.join(self.allowed)})")
-        twice = [v for i, v in enumerate(items) if v in items[:i]]
-        if not items or twice:
-            raise argparse.ArgumentError(self, f"{twice[0]!r} given twice" if twice else "expected values")
-        setattr(namespace, self.dest, items)
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
     p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
-    lists = dict(nargs="+", action=_ListAction, integers=True, metavar="N")
+    lists = dict(nargs="+", action=ListAction, integers=True, metavar="N")
     p.add_argument("--adapters", default=[1, 4, 16], help="adapters K served in one batch (default: 1,4,16)", **lists)
     p.add_argument("--ranks", default=[16, 64], help="LoRA ranks; lora_alpha = 2 rank (default: 16,64)", **lists)
     p.add_argument(
@@ -390,7 +366,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         nargs="+",
-        action=_ListAction,
+        action=ListAction,
         allowed=SERVE_MODES,
         metavar="MODE",
         default=list(SERVE_MODES),
