@@ -275,6 +275,12 @@ def test_mixed_hooks_replace_peft_walks_and_follow_structure():
     assert model.base_model.__dict__["_enable_peft_forward_hooks"].func is mixed_hooks.fast_hooks
     names = NAMES + ["h"]
     assert rel_err(mixed(model, ids, names), per_adapter(model, ids, names)) <= 1e-5
+    flashdora.enable(model)
+    with torch.no_grad():  # (Llama slices its layer list every forward: new ModuleLists, not new LoRA layers)
+        model(input_ids=ids, adapter_names=names)
+        lists = model.base_model.__dict__["_flashdora_layers"][1]
+        model(input_ids=ids, adapter_names=names)
+    assert model.base_model.__dict__["_flashdora_layers"][1] is lists  # listed once, not walked per forward
     model.add_adapter("late", LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
     names = ["late"] + NAMES[1:] + ["h"]
     assert rel_err(mixed(model, ids, names), per_adapter(model, ids, names)) <= 1e-5

@@ -5,16 +5,19 @@ module of the model twice (to check the names exist, then to register a pre-forw
 injects the names into its call) and removes the hooks after. Each adapter adds modules, so on an 8B model with a
 few adapters the walks cost more host time than the layers' own work in a decoding step, and a step is host time.
 
-On a model ``enable`` switched, ``install`` puts ``fast_hooks`` in its place on the ``LoraModel`` instance: the same
-checks with PEFT's messages, the LoRA layers listed once per model structure (a process-wide module registration
-hook counts every submodule set anywhere), the names handed to flashdora's layers as an attribute their forward reads
-(``peft.layers``), and PEFT's own hook on any other LoRA layer (and ``modules_to_save`` wrappers). Beam search, aLoRA
-offsets and encoder-decoder models run PEFT's own method. ``disable`` uninstalls it.
+On a model ``enable`` switched, ``install`` puts ``fast_hooks`` in its place on the ``LoraModel`` instance: PEFT's
+checks with PEFT's messages, over the model's LoRA layers listed once and listed again only after a LoRA layer or
+a ``modules_to_save`` wrapper is registered anywhere in the process (a module registration hook; models that slice
+their layer lists in every forward register other modules, which do not count). flashdora's layers read the names
+from a context variable while the forward runs (``current``); PEFT's hook goes on any other LoRA layer and wrapper,
+as PEFT does. Beam search, aLoRA offsets and encoder-decoder models run PEFT's own method. ``disable`` uninstalls
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 from peft.tuners.lora import model as lora_model
@@ -24,15 +27,37 @@ from torch import nn
 
 from flashdora import config
 
-NAMES = "_flashdora_adapter_names"  # a flashdora layer's attribute while a forward with adapter_names runs
 _PEFT_HOOKS = lora_model.LoraModel._enable_peft_forward_hooks
-_structure = 0  # submodules registered anywhere in the process (the layer lists' validity)
+_KINDS = (LoraLayer, AuxiliaryTrainingWrapper)
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("flashdora_adapter_names", default=None)
+_structure = 0  # LoRA layers and wrappers registered anywhere in the process (the layer lists' validity)
 _handle = None
 
 
 def _registered(module, name, submodule):
     global _structure
-    _structure += 1
+    if isinstance(submodule, _KINDS):
+        _structure += 1
+
+
+def current(layer) -> list | None:
+    """The ``adapter_names`` of the forward ``layer`` (a flashdora LoRA layer) runs in, else ``None``: those of the
+    innermost ``fast_hooks`` whose model holds ``layer``."""
+    now = _CURRENT.get()
+    if now is None:
+        return None
+    model, names, members = now
+    if id(layer) in members:
+        return names
+    # not in the kept list (that holds its layers, so ids are not reused): a module set into the model since, or
+    # another model's layer called inside this forward
+    if not any(m is layer for m in model.modules()):
+        return None
+    kept = model.__dict__.get("_flashdora_layers")
+    if kept:
+        kept[1][0].append(layer)  # (held, so that its id stays its own)
+        members.add(id(layer))
+    return names
 
 
 def install(model: nn.Module) -> None:
@@ -65,23 +90,20 @@ class _Layers(list):
         return _Layers, ()
 
 
-def _layers(self) -> tuple[list, list, bool]:
-    """``(flashdora's LoRA layers, PEFT's other LoRA layers and wrappers, whether the model has an encoder)``, listed
-    again whenever a submodule was registered anywhere since."""
+def _layers(self) -> tuple:
+    """``(flashdora's LoRA layers, their ids, PEFT's other LoRA layers and wrappers, whether the model has an
+    encoder)``."""
     kept = self.__dict__.get("_flashdora_layers")
     if kept and kept[0] == _structure:
-        return kept[1:]
+        return kept[1]
     ours, others = [], []
     for module in self.modules():
-        if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
+        if isinstance(module, _KINDS):
             (ours if getattr(type(module), "_flashdora_reads_names", False) else others).append(module)
-    kept = self.__dict__["_flashdora_layers"] = (
-        _structure,
-        ours,
-        others,
-        lora_model._get_encoder(self.model) is not None,
-    )
-    return kept[1:]
+    encoder = lora_model._get_encoder(self.model) is not None
+    lists = (ours, {id(m) for m in ours}, others, encoder)
+    self.__dict__["_flashdora_layers"] = _Layers([_structure, lists])
+    return lists
 
 
 @contextlib.contextmanager
@@ -90,7 +112,7 @@ def fast_hooks(self, *args, **kwargs):
     names = kwargs.get("adapter_names")
     num_beams = kwargs.get("num_beams")
     beams = isinstance(num_beams, int) and num_beams > 1
-    ours, others, encoder = _layers(self) if names is not None else ((), (), False)
+    ours, members, others, encoder = _layers(self) if names is not None else ((), set(), (), False)
     if names is None or kwargs.get("alora_offsets") is not None or beams or encoder:
         with _PEFT_HOOKS(self, *args, **kwargs):
             yield
@@ -107,12 +129,10 @@ def fast_hooks(self, *args, **kwargs):
         raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
     hook = functools.partial(lora_model._adapter_names_pre_forward_hook, adapter_names=names)
     handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in others]
-    for layer in ours:
-        layer.__dict__[NAMES] = names
+    token = _CURRENT.set((self, names, members))
     try:
         yield
     finally:
-        for layer in ours:
-            layer.__dict__.pop(NAMES, None)
+        _CURRENT.reset(token)
         for handle in handles:
             handle.remove()
