@@ -295,3 +295,25 @@ def test_mixed_hooks_replace_peft_walks_and_follow_structure():
             model.set_adapter(name)
             want.append(model.generate(input_ids=ids[i : i + 1], **kw))
     assert torch.equal(got, torch.cat(want))
+
+
+@pytest.mark.parametrize("peft_bnb", [False, True], ids=["peft-linear", "peft-bnb-class"])
+def test_mixed_batch_on_a_4bit_base(peft_bnb):
+    """QDoRA: an nf4 base (PEFT's generic ``Linear`` or its ``lora.bnb`` class around it) with two DoRA adapters and a
+    LoRA adapter in one batch: each row PEFT's for its adapter (float32 compute)."""
+    pytest.importorskip("bitsandbytes")
+    from tests.qdora_models import qdora_model
+
+    model = qdora_model("nf4", peft_bnb=peft_bnb)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for name, kw in {"d2": dict(r=8, use_dora=True), "l1": dict(r=4)}.items():
+        model.add_adapter(name, LoraConfig(lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw))
+    model.eval()
+    names = ["default", "d2", "__base__", "l1", "d2", "default"]
+    ids = torch.randint(0, 256, (len(names), 6), generator=torch.Generator().manual_seed(5))
+    ref = per_adapter(model, ids, names)
+    flashdora.reset_stats()
+    out = mixed(model, ids, names)
+    assert rel_err(out, ref) <= 1e-5
+    stats = flashdora.stats()
+    assert stats.get("mixed-eager") == 14 and not any(k.startswith("peft_fallback") for k in stats), stats
