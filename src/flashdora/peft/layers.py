@@ -23,8 +23,7 @@ from torch import nn
 
 from flashdora.ops.compose import after_base
 from flashdora.peft import mixed, variant
-from flashdora.peft.mixed_hooks import _CURRENT as _NAMES
-from flashdora.peft.mixed_hooks import current as current_names
+from flashdora.peft.mixed_hooks import NAMES
 from flashdora.peft.support import hooked_adapter
 from flashdora.peft.support import is_bnb as _bnb
 from flashdora.peft.support import param as _param
@@ -88,7 +87,7 @@ class FlashDoraLinear(PeftLinear):
         return lean_forward(self, x, *args, **kwargs)
 
     _cast_input_dtype = cast_input_dtype
-    _flashdora_reads_names = True  # (its forward takes adapter_names from mixed_hooks.current)
+    _flashdora_reads_names = True  # (its forward takes adapter_names from mixed_hooks.NAMES)
 
     def _get_name(self):
         return "Linear"
@@ -112,8 +111,9 @@ def lean_forward(self, x, *args, **kwargs):
     """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
     if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
         return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
-    if _NAMES.get() is not None and (names := current_names(self)) is not None:  # (the same: peft.mixed_hooks)
-        return mixed.forward(self, x, args, {**kwargs, "adapter_names": names}, type(self)._mixed_batch_forward)
+    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
+        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
@@ -151,8 +151,9 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
     ``patch_peft`` is on."""
     if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
         return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
-    if _NAMES.get() is not None and (names := current_names(self)) is not None:  # (the same: peft.mixed_hooks)
-        return mixed.forward(self, x, args, {**kwargs, "adapter_names": names}, type(self)._mixed_batch_forward)
+    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
+        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
+        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
     active = plain_active(self, args, kwargs)
     if active is None:
         return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)

@@ -6,19 +6,19 @@ injects the names into its call) and removes the hooks after. Each adapter adds 
 few adapters the walks cost more host time than the layers' own work in a decoding step, and a step is host time.
 
 On a model ``enable`` switched, ``install`` puts ``fast_hooks`` in its place on the ``LoraModel`` instance: PEFT's
-checks with PEFT's messages, over the model's LoRA layers listed once and listed again only after a LoRA layer or
-a ``modules_to_save`` wrapper is registered anywhere in the process (a module registration hook; models that slice
-their layer lists in every forward register other modules, which do not count). flashdora's layers read the names
-from a context variable while the forward runs (``current``); PEFT's hook goes on any other LoRA layer and wrapper,
-as PEFT does. Beam search, aLoRA offsets and encoder-decoder models run PEFT's own method. ``disable`` uninstalls
-it.
+checks with PEFT's messages, over the model's LoRA layers listed once and listed again only after a submodule is
+registered into one of the model's modules, or a LoRA layer or ``modules_to_save`` wrapper anywhere (a module
+registration hook; a model that slices its layer list in every forward registers into new containers, which do not
+count). flashdora's layers get the names as an attribute for the forward's duration (``NAMES``; an attribute, not
+a context variable, which ``torch.compile`` cannot trace); PEFT's hook goes on any other LoRA layer and wrapper, as
+PEFT does. Beam search, aLoRA offsets and encoder-decoder models run PEFT's own method. ``disable`` uninstalls it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import weakref
 
 from peft.tuners.lora import model as lora_model
 from peft.tuners.lora.layer import LoraLayer
@@ -29,35 +29,16 @@ from flashdora import config
 
 _PEFT_HOOKS = lora_model.LoraModel._enable_peft_forward_hooks
 _KINDS = (LoraLayer, AuxiliaryTrainingWrapper)
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("flashdora_adapter_names", default=None)
-_structure = 0  # LoRA layers and wrappers registered anywhere in the process (the layer lists' validity)
+NAMES = "_flashdora_adapter_names"  # a flashdora layer's attribute while a forward with adapter_names runs
+_structure = 0  # registrations that may change a listed model's LoRA layers (the lists' validity)
+_members: weakref.WeakSet = weakref.WeakSet()  # every module of the models listed so far
 _handle = None
 
 
 def _registered(module, name, submodule):
     global _structure
-    if isinstance(submodule, _KINDS):
+    if module in _members or isinstance(submodule, _KINDS):
         _structure += 1
-
-
-def current(layer) -> list | None:
-    """The ``adapter_names`` of the forward ``layer`` (a flashdora LoRA layer) runs in, else ``None``: those of the
-    innermost ``fast_hooks`` whose model holds ``layer``."""
-    now = _CURRENT.get()
-    if now is None:
-        return None
-    model, names, members = now
-    if id(layer) in members:
-        return names
-    # not in the kept list (that holds its layers, so ids are not reused): a module set into the model since, or
-    # another model's layer called inside this forward
-    if not any(m is layer for m in model.modules()):
-        return None
-    kept = model.__dict__.get("_flashdora_layers")
-    if kept:
-        kept[1][0].append(layer)  # (held, so that its id stays its own)
-        members.add(id(layer))
-    return names
 
 
 def install(model: nn.Module) -> None:
@@ -91,17 +72,17 @@ class _Layers(list):
 
 
 def _layers(self) -> tuple:
-    """``(flashdora's LoRA layers, their ids, PEFT's other LoRA layers and wrappers, whether the model has an
-    encoder)``."""
+    """``(flashdora's LoRA layers, PEFT's other LoRA layers and wrappers, whether the model has an encoder)``."""
     kept = self.__dict__.get("_flashdora_layers")
     if kept and kept[0] == _structure:
         return kept[1]
     ours, others = [], []
     for module in self.modules():
+        _members.add(module)
         if isinstance(module, _KINDS):
             (ours if getattr(type(module), "_flashdora_reads_names", False) else others).append(module)
     encoder = lora_model._get_encoder(self.model) is not None
-    lists = (ours, {id(m) for m in ours}, others, encoder)
+    lists = (ours, others, encoder)
     self.__dict__["_flashdora_layers"] = _Layers([_structure, lists])
     return lists
 
@@ -112,7 +93,7 @@ def fast_hooks(self, *args, **kwargs):
     names = kwargs.get("adapter_names")
     num_beams = kwargs.get("num_beams")
     beams = isinstance(num_beams, int) and num_beams > 1
-    ours, members, others, encoder = _layers(self) if names is not None else ((), set(), (), False)
+    ours, others, encoder = _layers(self) if names is not None else ((), (), False)
     if names is None or kwargs.get("alora_offsets") is not None or beams or encoder:
         with _PEFT_HOOKS(self, *args, **kwargs):
             yield
@@ -129,10 +110,12 @@ def fast_hooks(self, *args, **kwargs):
         raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
     hook = functools.partial(lora_model._adapter_names_pre_forward_hook, adapter_names=names)
     handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module in others]
-    token = _CURRENT.set((self, names, members))
+    for layer in ours:
+        layer.__dict__[NAMES] = names
     try:
         yield
     finally:
-        _CURRENT.reset(token)
+        for layer in ours:
+            layer.__dict__.pop(NAMES, None)
         for handle in handles:
             handle.remove()
