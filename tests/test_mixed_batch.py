@@ -317,3 +317,17 @@ def test_mixed_batch_on_a_4bit_base(peft_bnb):
     assert rel_err(out, ref) <= 1e-5
     stats = flashdora.stats()
     assert stats.get("mixed-eager") == 14 and not any(k.startswith("peft_fallback") for k in stats), stats
+
+
+def test_mixed_batch_compiles_fullgraph():
+    """The ``mixed-traced`` route: the model compiled with ``fullgraph=True`` (no graph break) under PEFT's
+    ``adapter_names`` context gives each row PEFT's output for its adapter."""
+    model = build()
+    ids = ids_for(NAMES)
+    ref = per_adapter(model, ids, NAMES)
+    flashdora.enable(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.base_model.model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), model.base_model._enable_peft_forward_hooks(adapter_names=NAMES):
+        out = compiled(input_ids=ids).logits
+    assert rel_err(out, ref) <= 1e-5
