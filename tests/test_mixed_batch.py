@@ -321,13 +321,28 @@ def test_mixed_batch_on_a_4bit_base(peft_bnb):
 
 def test_mixed_batch_compiles_fullgraph():
     """The ``mixed-traced`` route: the model compiled with ``fullgraph=True`` (no graph break) under PEFT's
-    ``adapter_names`` context gives each row PEFT's output for its adapter."""
-    model = build()
-    ids = ids_for(NAMES)
-    ref = per_adapter(model, ids, NAMES)
-    flashdora.enable(model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model.base_model.model, backend="aot_eager", fullgraph=True)
-    with torch.no_grad(), model.base_model._enable_peft_forward_hooks(adapter_names=NAMES):
-        out = compiled(input_ids=ids).logits
-    assert rel_err(out, ref) <= 1e-5
+    ``adapter_names`` context gives each row PEFT's output for its adapter. In a fresh process: after this file's
+    other tests in one process, torch 2.13's dynamo raised an IndexError while building a guard (an open problem)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import torch
+import flashdora
+from tests.helpers import rel_err
+from tests.test_mixed_batch import NAMES, build, ids_for, per_adapter
+
+model = build()
+ids = ids_for(NAMES)
+ref = per_adapter(model, ids, NAMES)
+flashdora.enable(model)
+compiled = torch.compile(model.base_model.model, backend="aot_eager", fullgraph=True)
+with torch.no_grad(), model.base_model._enable_peft_forward_hooks(adapter_names=NAMES):
+    out = compiled(input_ids=ids).logits
+assert rel_err(out, ref) <= 1e-5, rel_err(out, ref)
+print("OK")
+"""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
