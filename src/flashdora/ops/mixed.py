@@ -31,10 +31,9 @@ class Pack(NamedTuple):
     col_scale: torch.Tensor  # [R] float32: that adapter's scaling
     col_mask: torch.Tensor  # [K + 1, R]: scaling where a column belongs to the slot, else 0 (the eager form)
     scales: torch.Tensor  # [K + 1, 2, d_out] float32 (float64 for float64 magnitudes): g, g - 1
-    key: tuple  # what it was built from (``peft.mixed``): its validity
 
 
-def build_pack(adapters, lora_As, lora_Bs, scalings, dora_scales, key) -> Pack:
+def build_pack(adapters, lora_As, lora_Bs, scalings, dora_scales) -> Pack:
     """The ``Pack`` of ``adapters`` (names, in slot order) from their weights, scalings and DoRA scales
     (``[>= 2, d_out]`` from the norm cache; ``None`` for a LoRA adapter). Made without autograd."""
     with torch.no_grad():  # (device ops only, no copies from the host: this may run inside CUDA graph capture)
@@ -53,7 +52,7 @@ def build_pack(adapters, lora_As, lora_Bs, scalings, dora_scales, key) -> Pack:
         for k, s in enumerate(dora_scales, start=1):
             if s is not None:
                 scales[k] = s[:2]
-    return Pack(tuple(adapters), lora_A, lora_B, col_slot, col_scale, col_mask, scales, key)
+    return Pack(tuple(adapters), lora_A, lora_B, col_slot, col_scale, col_mask, scales)
 
 
 def mixed_eager(result, x, pack: Pack, row_slot, bias=None) -> torch.Tensor:

@@ -49,14 +49,12 @@ def forward(module, x, args, kwargs, peft_mixed):
     if module._disable_adapters:
         return base(x, *args, **kwargs)
     base_kind = "layer" if is_bnb(base) else "module"
-    pack = None if torch.compiler.is_compiling() else _kept(module, base, names, x, args, kwargs)
-    if pack is not None:  # nothing it was built from has changed, and no hook or gradient asks for PEFT's loop
-        adapters = pack.adapters
-        route = dispatch.mixed_route(module, adapters, x, base_kind, None)
-    else:
-        present = module._modules["lora_A"]._modules
-        adapters = tuple(sorted({n for n in names if n in present}))
-        route = dispatch.mixed_route(module, adapters, x, base_kind, reason(module, adapters, x, args, kwargs))
+    present = module._modules["lora_A"]._modules
+    adapters = tuple(sorted({n for n in names if n in present}))
+    pack = None if torch.compiler.is_compiling() else _kept(module, base, adapters, x, args, kwargs)
+    # (a kept pack: nothing it was built from has changed, and no hook or gradient asks for PEFT's loop)
+    why = None if pack is not None else reason(module, adapters, x, args, kwargs)
+    route = dispatch.mixed_route(module, adapters, x, base_kind, why)
     if route.compose == "peft":
         backend.count(f"peft_fallback:{route.why}")
         backend.warn_once(
@@ -158,7 +156,7 @@ def _fingerprint(module, base, adapters, x, tensors) -> tuple:
     )  # fmt: skip
 
 
-def _kept(module, base, names, x, args, kwargs) -> Pack | None:
+def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
     """The layer's kept pack when this call may use it without asking the norm cache (host time per layer call:
     one key per layer, three reads per adapter tensor, the hook checks), else ``None``: ``forward`` then routes it
     in full."""
@@ -170,15 +168,9 @@ def _kept(module, base, names, x, args, kwargs) -> Pack | None:
         or module.training
         or torch.is_grad_enabled()
         or backend.functorch_active()
-        or not norm_cache.cache_enabled()
-        or watch.fsdp_hook is not None
-    ):  # fmt: skip  (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call)
+    ):  # fmt: skip
         return None
-    present = module._modules["lora_A"]._modules
-    if tuple(sorted({n for n in names if n in present})) != pack.adapters:
-        return None
-    tensors = _tensors(module, pack.adapters)
-    if _fingerprint(module, base, pack.adapters, x, tensors) != module.__dict__["_flashdora_mixed_held"][0]:
+    if adapters != pack.adapters or not _unchanged(module, base, adapters, x):
         return None
     mods = module._modules
     modules = []
@@ -193,10 +185,24 @@ def _kept(module, base, names, x, args, kwargs) -> Pack | None:
     return pack
 
 
+def _unchanged(module, base, adapters, x) -> bool:
+    """Whether the layer's kept pack was built from what this call would build it from (``_fingerprint``)."""
+    held = module.__dict__.get("_flashdora_mixed_held")
+    if held is None or not norm_cache.cache_enabled() or watch.fsdp_hook is not None or (x.is_cuda and capturing()):
+        # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
+        # captured builds its own pack, so that each replay reads the weights as they are then)
+        return False
+    return _fingerprint(module, base, adapters, x, _tensors(module, adapters)) == held[0]
+
+
 def _pack(module, base, adapters, x, route) -> Pack:
-    """The layer's ``Pack`` of ``adapters``: kept on the layer while its key holds (each DoRA adapter's scales as
-    the norm cache serves them, every LoRA adapter's weights as the cache keys them, the scalings, the optimizer
-    steps and events); built inside ``torch.compile`` and CUDA graph capture on every call, kept nowhere."""
+    """The layer's ``Pack`` of ``adapters``: the kept one while ``_fingerprint`` holds (what the norm cache keys
+    each DoRA adapter's scales on, and every LoRA adapter's weights), else built from the norm cache's scales and
+    kept; built inside ``torch.compile`` and CUDA graph capture on every call, kept nowhere."""
+    compiling = torch.compiler.is_compiling()
+    kept = module.__dict__.get("_flashdora_mixed")
+    if not compiling and kept is not None and kept.adapters == adapters and _unchanged(module, base, adapters, x):
+        return kept
     mods = module._modules
     weight = param(base, "weight")
     quantized = is_bnb(base)
@@ -204,8 +210,7 @@ def _pack(module, base, adapters, x, route) -> Pack:
         weight = weight.detach()  # (a plain alias of the packed weight: see peft.variant.flash_forward)
     elif module.fan_in_fan_out:
         weight = weight.T
-    compiling = torch.compiler.is_compiling()
-    lora_As, lora_Bs, scalings, scales, parts = [], [], [], [], []
+    lora_As, lora_Bs, scalings, scales = [], [], [], []
     for adapter in adapters:
         lora_A = param(mods["lora_A"]._modules[adapter], "weight")
         lora_B = param(mods["lora_B"]._modules[adapter], "weight")
@@ -216,32 +221,22 @@ def _pack(module, base, adapters, x, route) -> Pack:
         owner = mods["lora_magnitude_vector"]._modules.get(adapter) if adapter in module.lora_variant else None
         if owner is None:
             scales.append(None)
-            if not compiling:
-                parts.append((norm_cache._key(lora_A), norm_cache._key(lora_B), scaling))
-            continue
-        magnitude = param(owner, "weight")
-        if compiling:
-            s = dora_scales(weight, lora_A, lora_B, magnitude, scaling, variant._cache_id(owner))
+        elif compiling:
+            magnitude = param(owner, "weight")
+            scales.append(dora_scales(weight, lora_A, lora_B, magnitude, scaling, variant._cache_id(owner)))
         else:
-            s = NormCache.lookup_owner(
-                weight, lora_A, lora_B, magnitude, scaling, variant._cache_owner(owner), base if quantized else None,
-                x.dtype, impl=route.norm,
-            )  # fmt: skip
-            parts.append((id(s), scaling))  # a new norm, magnitude or scaling: new scales (the norm cache's key)
-        scales.append(s)
-    if compiling:
-        return build_pack(adapters, lora_As, lora_Bs, scalings, scales, None)
-    key = (adapters, tuple(parts), norm_cache._steps, norm_cache._events)
-    kept = module.__dict__.get("_flashdora_mixed")
-    if kept is not None and kept.key == key:
-        return kept
-    pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales, key)
-    if norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
+            scales.append(NormCache.lookup_owner(
+                weight, lora_A, lora_B, param(owner, "weight"), scaling, variant._cache_owner(owner),
+                base if quantized else None, x.dtype, impl=route.norm,
+            ))  # fmt: skip
+    pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales)
+    if not compiling and norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
         tensors = _tensors(module, adapters)
-        fingerprint = _fingerprint(module, base, adapters, x, tensors)
         module.__dict__["_flashdora_mixed"] = pack
-        # (the scales: their ids are the key; the tensors and their storage: their ids and addresses are _kept's)
-        module.__dict__["_flashdora_mixed_held"] = (fingerprint, tuple(scales), tensors, [t.detach() for t in tensors])
+        # (the tensors and their storage held: their ids and addresses are in the fingerprint)
+        module.__dict__["_flashdora_mixed_held"] = (
+            _fingerprint(module, base, adapters, x, tensors), tensors, [t.detach() for t in tensors]
+        )  # fmt: skip
     return pack
 
 
