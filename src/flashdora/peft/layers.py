@@ -109,11 +109,8 @@ def plain_active(self, args, kwargs) -> str | None:
 
 def lean_forward(self, x, *args, **kwargs):
     """``FlashDoraLinear.forward``, and PEFT's ``Linear.forward`` while ``patch_peft`` is on."""
-    if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
-        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
-    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
-        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
-        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
+    if (kwargs or NAMES in self.__dict__) and (y := _mixed(self, x, args, kwargs)) is not None:
+        return y
     active = plain_active(self, args, kwargs)
     if active is None:
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
@@ -126,6 +123,16 @@ def lean_forward(self, x, *args, **kwargs):
         return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer")
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
+
+
+def _mixed(self, x, args, kwargs):
+    """A mixed-adapter batch's call (``peft/mixed.py``), its names from PEFT's hook (``adapter_names``) or set by
+    ``peft.mixed_hooks``; ``None`` for any other call."""
+    if kwargs.get("adapter_names") is None:
+        if NAMES not in self.__dict__:
+            return None
+        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
+    return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
 
 
 def _adapt(self, active, x, result, seq, base_kind):
@@ -149,11 +156,8 @@ def swap_linear_class(model: nn.Module, flash: bool) -> None:
 def _lean_forward_bnb(self, x, *args, **kwargs):
     """``FlashDoraLinear4bit.forward`` / ``FlashDoraLinear8bitLt.forward``, and PEFT's own classes' forward while
     ``patch_peft`` is on."""
-    if kwargs and kwargs.get("adapter_names") is not None:  # a mixed-adapter batch (peft/mixed.py)
-        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
-    if NAMES in self.__dict__:  # the same, its names set by peft.mixed_hooks
-        kwargs = {**kwargs, "adapter_names": self.__dict__[NAMES]}
-        return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
+    if (kwargs or NAMES in self.__dict__) and (y := _mixed(self, x, args, kwargs)) is not None:
+        return y
     active = plain_active(self, args, kwargs)
     if active is None:
         return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
