@@ -190,6 +190,9 @@ def test_mixed_pack_kept_and_norms_once():
     assert layer.__dict__["_flashdora_mixed"] is pack
     stats = flashdora.stats()
     assert stats.get("mixed-eager") == 14 and "norm:eager" not in stats, stats  # (the kept packs: no norm asked)
+    with torch.no_grad():  # a write no version counter sees, then ``enable`` (the documented way): packs dropped
+        layer.lora_B["d1"].weight.data.copy_(torch.randn_like(layer.lora_B["d1"].weight))
+    assert rel_err(mixed(model, ids, NAMES), per_adapter(model, ids, NAMES)) <= 1e-5
 
 
 def test_mixed_hooks_and_grad_take_peft_loop():
@@ -209,6 +212,63 @@ def test_mixed_hooks_and_grad_take_peft_loop():
     out = model(input_ids=ids, adapter_names=NAMES).logits  # grad enabled, adapters trainable
     assert rel_err(out.detach(), ref) <= 1e-5
     assert flashdora.stats().get("peft_fallback:mixed-batch:grad") == 14
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["hook-epoch", "every-call"])
+def test_mixed_kept_pack_follows_hooks_and_module_changes(private, monkeypatch):
+    """After packs are kept, each change PEFT would see through its module calls reaches the next mixed call: a
+    forward hook that changes ``lora_A``'s output (PEFT's loop runs, the hook fires), a pre-hook on a dropout module,
+    an instance ``forward`` on ``lora_B``, a module replaced in ``lora_A``, and a ``lora_B`` re-classed.
+    With ``private_apis`` off the hook registration count is not read and every call checks the hooks."""
+    monkeypatch.setattr(flashdora.config, "private", private)
+    model = build()
+    ids = ids_for(NAMES)
+    mixed(model, ids, NAMES)  # packs kept
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    assert layer.__dict__["_flashdora_mixed"] is not None
+    calls = []
+
+    def doubled(module, args, output):
+        calls.append(1)
+        return output * 2
+
+    def check(why):
+        with torch.no_grad():  # (no ``enable`` before it: that drops the packs)
+            out = model(input_ids=ids, adapter_names=NAMES).logits
+        ref = per_adapter(model, ids, NAMES)
+        mixed(model, ids, NAMES)  # enabled again, packs rebuilt and kept, the hook registration count read
+        assert rel_err(out, ref) <= 1e-5, why
+
+    def kept():  # packs kept before each change, the hook registration count read since the last one
+        with torch.no_grad():
+            model(input_ids=ids, adapter_names=NAMES)
+        assert layer.__dict__["_flashdora_mixed"] is not None
+
+    handle = layer.lora_A["d2"].register_forward_hook(doubled)
+    flashdora.reset_stats()
+    check("forward hook")
+    assert calls and flashdora.stats().get("peft_fallback:mixed-batch:hooks:Linear") == 2  # (both calls of check)
+    handle.remove()
+    kept()
+    handle = layer.lora_dropout["d1"].register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    check("dropout pre-hook")
+    handle.remove()
+    kept()
+    lora_B = layer.lora_B["d1"]
+    lora_B.forward = lambda x: torch.nn.functional.linear(x, lora_B.weight) * 3
+    check("instance forward")
+    del lora_B.forward
+    kept()
+    torch.manual_seed(5)
+    layer.lora_A["d3"] = torch.nn.Linear(64, 4, bias=False)
+    check("module replaced")
+    kept()
+    lora_B = layer.lora_B["d2"]
+    lora_B.__class__ = type(
+        "Tripled", (torch.nn.Linear,), {"forward": lambda self, x: super(type(self), self).forward(x) * 3}
+    )
+    check("class changed")
+    assert flashdora.stats().get("peft_fallback:mixed-batch:hooks:Tripled") == 2
 
 
 @pytest.mark.gpu

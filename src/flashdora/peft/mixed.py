@@ -11,8 +11,13 @@ where each DoRA adapter still runs flashdora's single-adapter route.
 
 from __future__ import annotations
 
+import itertools
+import operator
+from typing import NamedTuple
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from flashdora import backend, config, dispatch
 from flashdora.ops import norm_cache
@@ -20,7 +25,7 @@ from flashdora.ops.cache_streams import capturing
 from flashdora.ops.mixed import Pack, build_pack, mixed_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.peft import variant, watch
-from flashdora.peft.support import hooked, hooked_adapter, is_bnb, param
+from flashdora.peft.support import global_hooks, hooked, hooked_adapter, is_bnb, param
 from flashdora.peft.support import reason as support_reason
 
 _SLOTS_KEPT = 64  # distinct adapter_names lists whose slot tensors a pack keeps (a server reuses a few)
@@ -69,9 +74,9 @@ def forward(module, x, args, kwargs, peft_mixed):
     if not adapters:
         return result
     pack = pack or _pack(module, base, adapters, x, route)
-    lora_A = pack.lora_A
+    dtype = pack.lora_A_t.dtype
     if not is_bnb(base) or not torch.is_autocast_enabled():  # (PEFT's cast of x to the adapters' dtype)
-        x = x if x.dtype == lora_A.dtype else x.to(lora_A.dtype)
+        x = x if x.dtype == dtype else x.to(dtype)
     y = mixed_compose(route.compose, result, x, pack, _slots(module, pack, names, x.device), param(base, "bias"))
     return y if y.dtype == result.dtype else y.to(result.dtype)
 
@@ -129,37 +134,76 @@ def reason(module, adapters, x, args, kwargs) -> str | None:
     return None
 
 
-def _tensors(module, adapters) -> list:
-    """The adapter tensors a pack is built from: each adapter's A, B and (DoRA) magnitude."""
-    mods = module._modules
-    loras_A, loras_B = mods["lora_A"]._modules, mods["lora_B"]._modules
-    magnitudes, variants = mods["lora_magnitude_vector"]._modules, module.lora_variant
-    out = []
-    for adapter in adapters:
-        out.append(param(loras_A[adapter], "weight"))
-        out.append(param(loras_B[adapter], "weight"))
-        if adapter in variants:
-            out.append(param(magnitudes[adapter], "weight"))
-    return out
+class _Held(NamedTuple):
+    """What a kept pack was built from (``_held``), laid out for ``_unchanged``'s C-level comparisons: host time per
+    layer call is then about a tenth of a microsecond per adapter tensor and module, not a Python loop over them."""
+
+    key: tuple  # _key: the base weight's norm-cache key, the scalings, the input, the optimizer steps and events
+    parents: tuple  # (ModuleDict._modules, adapter) of each module PEFT calls (A, B, dropout, magnitude) ...
+    modules: tuple  # ... and that module
+    types: tuple  # their types
+    dicts: tuple  # their instance dicts (an instance ``forward``)
+    tensors: tuple  # the adapter tensors: each adapter's A, B and (DoRA) magnitude weight ...
+    owners: tuple  # ... the ``_parameters`` dict holding each
+    versions: tuple
+    ptrs: tuple
+    storage: list  # the tensors detached: their storage lives as long as the pack (no id or address reused)
+    epoch: list  # [torch.utils.hooks.RemovableHandle.next_id] when ``modules`` were last found without hooks
 
 
-def _fingerprint(module, base, adapters, x, tensors) -> tuple:
-    """What a kept pack must have been built from to serve this call: the base weight's norm-cache key, each adapter
-    tensor's identity, address and version (the pack holds them and their storage, so neither an id nor an address
-    can be reused while it lives), the scalings, the input dtype, the optimizer steps and events."""
+_ADAPTER_DICTS = ("lora_A", "lora_B", "lora_dropout")
+_VERSION = operator.attrgetter("_version")
+_PTR = torch.Tensor.data_ptr
+_WEIGHT = itertools.repeat("weight")
+_FORWARD = itertools.repeat("forward")
+
+
+def _hook_epoch() -> int | None:
+    """A process-wide count of hook registrations (every module hook's ``RemovableHandle`` takes the next id), or
+    ``None`` where it cannot be read (``private_apis`` off, a torch without it): every call then checks the hooks."""
+    return getattr(RemovableHandle, "next_id", None) if config.private else None
+
+
+def _key(module, base, adapters, x) -> tuple:
     weight = param(base, "weight")
     weight = weight.detach() if is_bnb(base) else weight  # (a plain alias: see peft.variant.flash_forward)
+    mods = module._modules
     scaling = module.scaling
     return (
-        adapters, x.dtype, x.device, norm_cache._key(weight), tuple(scaling[a] for a in adapters), norm_cache._steps,
-        norm_cache._events, tuple((id(t), t.data_ptr(), t._version) for t in tensors),
+        adapters, x.dtype, x.device, norm_cache._key(weight), tuple(map(scaling.__getitem__, adapters)),
+        norm_cache._steps, norm_cache._events, mods["lora_A"], mods["lora_B"], mods["lora_dropout"],
+        mods["lora_magnitude_vector"],
+    )  # fmt: skip
+
+
+def _held(module, base, adapters, x) -> _Held | None:
+    """``_Held`` for a pack of ``adapters`` built now, ``None`` where an adapter's weight is not a registered
+    parameter (a parametrization computes it on each read: nothing to keep)."""
+    mods = module._modules
+    parents, modules, tensors, owners = [], [], [], []
+    for adapter in adapters:
+        names = _ADAPTER_DICTS + (("lora_magnitude_vector",) if adapter in module.lora_variant else ())
+        for name in names:
+            parent = mods[name]._modules
+            layer = parent[adapter]
+            parents.append((parent, adapter))
+            modules.append(layer)
+            if name != "lora_dropout":
+                params = layer._parameters
+                if params.get("weight") is None:
+                    return None
+                tensors.append(params["weight"])
+                owners.append(params)
+    return _Held(
+        _key(module, base, adapters, x), tuple(parents), tuple(modules), tuple(map(type, modules)),
+        tuple(m.__dict__ for m in modules), tuple(tensors), tuple(owners), tuple(map(_VERSION, tensors)),
+        tuple(map(_PTR, tensors)), [t.detach() for t in tensors], [_hook_epoch()],
     )  # fmt: skip
 
 
 def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
-    """The layer's kept pack when this call may use it without asking the norm cache (host time per layer call:
-    one key per layer, three reads per adapter tensor, the hook checks), else ``None``: ``forward`` then routes it
-    in full."""
+    """The layer's kept pack when this call may use it without asking the norm cache, else ``None``: ``forward``
+    then routes it in full."""
     pack = module.__dict__.get("_flashdora_mixed")
     if (
         pack is None
@@ -172,31 +216,38 @@ def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
         return None
     if adapters != pack.adapters or not _unchanged(module, base, adapters, x):
         return None
-    mods = module._modules
-    modules = []
-    for adapter in pack.adapters:
-        modules.append(mods["lora_A"]._modules[adapter])
-        modules.append(mods["lora_B"]._modules[adapter])
-        modules.append(mods["lora_dropout"]._modules[adapter])
-        if adapter in module.lora_variant:
-            modules.append(mods["lora_magnitude_vector"]._modules[adapter])
-    if hooked(*modules) is not None:
-        return None
     return pack
 
 
 def _unchanged(module, base, adapters, x) -> bool:
-    """Whether the layer's kept pack was built from what this call would build it from (``_fingerprint``)."""
+    """Whether the layer's kept pack was built from what this call would build it from, and no module PEFT would
+    call for it has gained a hook, an instance ``forward`` or another class since (``hooked``)."""
     held = module.__dict__.get("_flashdora_mixed_held")
     if held is None or not norm_cache.cache_enabled() or watch.fsdp_hook is not None or (x.is_cuda and capturing()):
         # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
         # captured builds its own pack, so that each replay reads the weights as they are then)
         return False
-    return _fingerprint(module, base, adapters, x, _tensors(module, adapters)) == held[0]
+    if (
+        _key(module, base, adapters, x) != held.key
+        or not all(map(operator.is_, itertools.starmap(dict.get, held.parents), held.modules))
+        or not all(map(operator.is_, map(dict.get, held.owners, _WEIGHT), held.tensors))
+        or tuple(map(_VERSION, held.tensors)) != held.versions
+        or tuple(map(_PTR, held.tensors)) != held.ptrs
+        or tuple(map(type, held.modules)) != held.types
+        or any(map(operator.contains, held.dicts, _FORWARD))
+        or global_hooks()
+    ):  # fmt: skip
+        return False
+    epoch = _hook_epoch()
+    if epoch is None or epoch != held.epoch[0]:  # a hook was registered somewhere since the last check
+        if hooked(*held.modules) is not None:
+            return False
+        held.epoch[0] = epoch
+    return True
 
 
 def _pack(module, base, adapters, x, route) -> Pack:
-    """The layer's ``Pack`` of ``adapters``: the kept one while ``_fingerprint`` holds (what the norm cache keys
+    """The layer's ``Pack`` of ``adapters``: the kept one while ``_unchanged`` holds (what the norm cache keys
     each DoRA adapter's scales on, and every LoRA adapter's weights), else built from the norm cache's scales and
     kept; built inside ``torch.compile`` and CUDA graph capture on every call, kept nowhere."""
     compiling = torch.compiler.is_compiling()
@@ -231,12 +282,9 @@ def _pack(module, base, adapters, x, route) -> Pack:
             ))  # fmt: skip
     pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales)
     if not compiling and norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
-        tensors = _tensors(module, adapters)
-        module.__dict__["_flashdora_mixed"] = pack
-        # (the tensors and their storage held: their ids and addresses are in the fingerprint)
-        module.__dict__["_flashdora_mixed_held"] = (
-            _fingerprint(module, base, adapters, x, tensors), tensors, [t.detach() for t in tensors]
-        )  # fmt: skip
+        held = _held(module, base, adapters, x)
+        module.__dict__["_flashdora_mixed"] = None if held is None else pack
+        module.__dict__["_flashdora_mixed_held"] = held
     return pack
 
 
@@ -244,10 +292,8 @@ def _slots(module, pack: Pack, names, device) -> torch.Tensor:
     """``[B]`` int32: each request's slot in ``pack`` (0: ``"__base__"`` or an adapter this layer does not have).
     Kept on the layer per (adapters, names) list: the same tensor for every call of a ``generate`` and for a CUDA
     graph captured after a first eager call (a list first seen inside capture is filled on the device there)."""
-    slot_of = {adapter: k for k, adapter in enumerate(pack.adapters, start=1)}
-    values = [slot_of.get(n, 0) for n in names]
     if torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return torch.tensor(_slot_values(pack, names), dtype=torch.int32, device=device)
     kept = module.__dict__.get("_flashdora_slots")
     if kept is None:
         kept = module.__dict__["_flashdora_slots"] = {}
@@ -255,6 +301,7 @@ def _slots(module, pack: Pack, names, device) -> torch.Tensor:
     slots = kept.get(key)
     if slots is not None:
         return slots
+    values = _slot_values(pack, names)
     if device.type == "cuda" and capturing():  # no copy from the host inside capture
         slots = torch.zeros(len(values), dtype=torch.int32, device=device)
         for i, v in enumerate(values):
@@ -265,3 +312,8 @@ def _slots(module, pack: Pack, names, device) -> torch.Tensor:
         kept.clear()
     slots = kept[key] = torch.tensor(values, dtype=torch.int32).to(device)
     return slots
+
+
+def _slot_values(pack: Pack, names) -> list[int]:
+    slot_of = {adapter: k for k, adapter in enumerate(pack.adapters, start=1)}
+    return [slot_of.get(n, 0) for n in names]

@@ -79,6 +79,8 @@ def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) 
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
+        for kept in ("_flashdora_mixed", "_flashdora_mixed_held"):  # (mixed-batch packs: peft/mixed.py)
+            module.__dict__.pop(kept, None)
         for owner in module.lora_magnitude_vector.values():
             NormCache.clear(owner)
             owner._flashdora_cache_id = NormCache.register(owner) if norm_cache else -1
