@@ -273,10 +273,12 @@ def test_mixed_kept_pack_follows_hooks_and_module_changes(private, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)  # fmt: skip
 def test_mixed_fused_exact_on_gpu(k, dtype):
     """The fused path on CUDA (Triton), 16 requests over ``k`` DoRA adapters at r = 16 plus base rows: fp32 within
-    1e-5 of PEFT's per-adapter outputs; bf16 no worse than 2x PEFT's error against float64."""
+    1e-5 of PEFT's per-adapter outputs; bf16 and fp16 no worse than 2x PEFT's error against float64."""
     specs = {f"d{i}": dict(r=16, lora_alpha=32, use_dora=True) for i in range(k)}
     model = build(specs, dtype=dtype, device="cuda", hidden=1024, layers=2)
     names = [f"d{i % k}" for i in range(15)] + ["__base__"]
@@ -289,6 +291,28 @@ def test_mixed_fused_exact_on_gpu(k, dtype):
     else:
         ref = per_adapter(copy.deepcopy(model).double(), ids, names)
         assert rel_err(out, ref) <= 2.0 * rel_err(per_adapter(model, ids, names), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_mixed_quantized_base_on_gpu(kind):
+    """QDoRA on CUDA: an nf4 or int8 bitsandbytes base in PEFT's ``lora.bnb`` classes (as ``from_pretrained`` loads
+    it), two DoRA adapters and a LoRA adapter in one batch on the fused path: each row PEFT's for its adapter."""
+    pytest.importorskip("bitsandbytes")
+    from tests.qdora_models import TARGETS, qdora_model
+
+    model = qdora_model(kind, device="cuda", peft_bnb=True)
+    for name, kw in {"d2": dict(r=8, use_dora=True), "l1": dict(r=4)}.items():
+        model.add_adapter(name, LoraConfig(lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **kw))
+    model.eval()
+    names = ["default", "d2", "__base__", "l1", "d2", "default"]
+    ids = torch.randint(0, 256, (len(names), 6), generator=torch.Generator().manual_seed(5)).cuda()
+    ref = per_adapter(model, ids, names)
+    flashdora.reset_stats()
+    out = mixed(model, ids, names)
+    stats = flashdora.stats()
+    assert stats.get("mixed-triton") == 14 and not any(k.startswith("peft_fallback") for k in stats), stats
+    assert rel_err(out, ref) <= 1e-5
 
 
 @pytest.mark.gpu
