@@ -66,18 +66,19 @@ def test_peft_llama_compiles_fullgraph_eval_and_train(backend):
         assert rel_err(compiled(input_ids=ids).logits, model(input_ids=ids).logits) <= 1e-5
 
     model.train(), compiled_model.train()
-    torch.manual_seed(7)
-    ref_loss = model(input_ids=ids, labels=ids).loss
-    ref_loss.backward()
-    torch.manual_seed(7)
-    flashdora.reset_stats()
-    loss = compiled(input_ids=ids, labels=ids).loss
-    loss.backward()
-    stats = flashdora.stats()  # flashdora's norm op ran in the compiled graph (once per layer), PEFT's DoRA never did
-    assert sum(v for k, v in stats.items() if k.startswith("norm:")) == 14
-    assert not any(k.startswith("peft_fallback") for k in stats)
-    # Compiled dropout draws its masks differently from eager, so compare the training step without dropout too.
-    assert torch.isfinite(loss)
+    if backend == "aot_eager":  # (the routes do not depend on the backend; inductor's CPU compile takes 25 s more)
+        torch.manual_seed(7)
+        ref_loss = model(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        torch.manual_seed(7)
+        flashdora.reset_stats()
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        stats = flashdora.stats()  # flashdora's norm op ran in the compiled graph (once per layer), never PEFT's DoRA
+        assert sum(v for k, v in stats.items() if k.startswith("norm:")) == 14
+        assert not any(k.startswith("peft_fallback") for k in stats)
+        # Compiled dropout draws its masks differently from eager, so compare the training step without dropout too.
+        assert torch.isfinite(loss)
     for module in (model, compiled_model):
         for m in module.modules():
             if hasattr(m, "lora_dropout"):

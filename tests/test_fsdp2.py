@@ -150,14 +150,14 @@ def test_bench_fsdp_row_timeout_stops_the_ranks_and_keeps_the_rows(tmp_path):
     out_dir = tmp_path / "out"
     cmd = ["-m", "flashdora.cli", "bench", "fsdp", "--preset", "tiny", "--device", "cpu", "--nproc", "2", "--ranks",
            "4", "--modes", "peft_lora", "--reps", "100000", "--warmup", "0", "--seq", "16",
-           "--row-timeout", "20", "--out", str(out_dir)]  # fmt: skip
+           "--row-timeout", "10", "--out", str(out_dir)]  # fmt: skip
     out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert out.returncode == 1, out.stderr[-2000:]
-    assert "ran past --row-timeout 20 s and was stopped" in out.stderr
+    assert "ran past --row-timeout 10 s and was stopped" in out.stderr
     (path,) = out_dir.glob("*_fsdp.json")
     rows = json.loads(path.read_text())["records"]
-    assert [(r["mode"], r["error"]) for r in rows] == [("peft_lora", "timeout after 20 s")]
-    assert "timeout after 20 s" in path.with_suffix(".md").read_text()
+    assert [(r["mode"], r["error"]) for r in rows] == [("peft_lora", "timeout after 10 s")]
+    assert "timeout after 10 s" in path.with_suffix(".md").read_text()
 
     def ranks_alive() -> list[str]:  # the workers' command lines carry their options, this test's reps among them
         alive = []
