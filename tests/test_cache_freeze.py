@@ -2,8 +2,9 @@
 
 The cache keeps ``||W||^2`` across optimizer steps so that a frozen base computes it once. Fused optimizers write
 parameters without moving their version counters, so what tells the cache that a step wrote W is the step's stamp
-on W's storage (``norm_cache._count_step``), never ``requires_grad`` at the time of the forward. Each scenario ends
-with the enabled model's output compared with itself with the cache off and with PEFT on the same weights.
+on W's storage (``norm_cache._count_step``), or for a W that requires a gradient at the forward any step at all (an
+optimizer wrapper stepping its own copies writes W back with neither). Each scenario ends with the enabled model's
+output compared with itself with the cache off and with PEFT on the same weights.
 """
 
 import copy
@@ -145,3 +146,39 @@ def test_a_base_frozen_throughout_computes_its_square_once(in_optimizer, make_op
     counts = flashdora.stats()
     assert counts["norm:base_sq"] == N_LAYERS, counts
     assert counts["norm:eager"] >= 4 * N_LAYERS, counts  # a norm per step (and the uncached twins' own)
+
+
+class MasterCopyAdamW:
+    """An optimizer wrapper as DeepSpeed ZeRO-1/2 is one: ``torch.optim.AdamW`` steps float32 master copies, and the
+    wrapper writes them back into the parameters below autograd (no stamp on their storage, no version bump)."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.masters = [p.detach().clone().requires_grad_(True) for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, lr=0.05)
+
+    def step(self):
+        for p, master in zip(self.params, self.masters):
+            master.grad = None if p.grad is None else p.grad.detach().clone()
+        self.inner.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.data.copy_(master)
+
+
+def test_a_trainable_base_stepped_through_a_master_copy_is_never_stale(monkeypatch):
+    """A base weight trained through an optimizer that steps copies of the parameters (DeepSpeed ZeRO-1/2 does):
+    what the step wrote reaches the next forward, since any step may have written a weight that requires a gradient."""
+    model = _model()
+    bases = _bases(model)
+    _set_trainable(bases, True)
+    opt = MasterCopyAdamW([p for p in model.parameters() if p.requires_grad])
+    for step in range(2):
+        ids = _ids(20 + step)
+        before = [(p.detach().clone(), p._version) for p in bases]
+        _forward(model, ids, backward=True)
+        opt.step()
+        model.zero_grad()
+        for p, (values, version) in zip(bases, before):
+            assert not torch.equal(p, values) and p._version == version  # written behind the version counter
+        _check(model, ids, monkeypatch, f"step {step}")

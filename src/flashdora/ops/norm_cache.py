@@ -120,7 +120,11 @@ def _storage_number(t) -> int:
 
 def _last_step(t) -> int:
     """The last optimizer step that may have written ``t``'s values (``_count_step``; an FSDP2 parameter's: its
-    shard's), 0 if none has."""
+    shard's), 0 if none has. A tensor that requires a gradient: the last step of any optimizer (a wrapper such as
+    DeepSpeed ZeRO-1/2 steps its own copy of a parameter and writes the values back below autograd, with no stamp and
+    no version bump)."""
+    if t.requires_grad:
+        return _steps
     tag = getattr(t, "_flashdora_shard", None) or getattr(t._base, "_flashdora_shard", None)  # (``_key``)
     storage = (t if tag is None else tag[1]).untyped_storage()
     return max(getattr(storage, "_flashdora_step", 0), _unstamped)
