@@ -28,6 +28,7 @@ from flashdora.peft import variant, watch
 from flashdora.peft.support import global_hooks, hooked, hooked_adapter, is_bnb, param
 from flashdora.peft.support import reason as support_reason
 
+_PACK, _HELD = "_flashdora_mixed", "_flashdora_mixed_held"  # a layer's kept pack, what it was built from
 _SLOTS_KEPT = 64  # distinct adapter_names lists whose slot tensors a pack keeps (a server reuses a few)
 
 
@@ -204,7 +205,7 @@ def _held(module, base, adapters, x) -> _Held | None:
 def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
     """The layer's kept pack when this call may use it without asking the norm cache, else ``None``: ``forward``
     then routes it in full."""
-    pack = module.__dict__.get("_flashdora_mixed")
+    pack = module.__dict__.get(_PACK)
     if (
         pack is None
         or args
@@ -222,7 +223,7 @@ def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
 def _unchanged(module, base, adapters, x) -> bool:
     """Whether the layer's kept pack was built from what this call would build it from, and no module PEFT would
     call for it has gained a hook, an instance ``forward`` or another class since (``hooked``)."""
-    held = module.__dict__.get("_flashdora_mixed_held")
+    held = module.__dict__.get(_HELD)
     if held is None or not norm_cache.cache_enabled() or watch.fsdp_hook is not None or (x.is_cuda and capturing()):
         # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
         # captured builds its own pack, so that each replay reads the weights as they are then)
@@ -251,7 +252,7 @@ def _pack(module, base, adapters, x, route) -> Pack:
     each DoRA adapter's scales on, and every LoRA adapter's weights), else built from the norm cache's scales and
     kept; built inside ``torch.compile`` and CUDA graph capture on every call, kept nowhere."""
     compiling = torch.compiler.is_compiling()
-    kept = module.__dict__.get("_flashdora_mixed")
+    kept = module.__dict__.get(_PACK)
     if not compiling and kept is not None and kept.adapters == adapters and _unchanged(module, base, adapters, x):
         return kept
     mods = module._modules
@@ -283,9 +284,15 @@ def _pack(module, base, adapters, x, route) -> Pack:
     pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales)
     if not compiling and norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
         held = _held(module, base, adapters, x)
-        module.__dict__["_flashdora_mixed"] = None if held is None else pack
-        module.__dict__["_flashdora_mixed_held"] = held
+        module.__dict__[_PACK] = None if held is None else pack
+        module.__dict__[_HELD] = held
     return pack
+
+
+def forget(module) -> None:
+    """Drop the layer's kept pack (``enable`` does, as it clears cached norms)."""
+    module.__dict__.pop(_PACK, None)
+    module.__dict__.pop(_HELD, None)
 
 
 def _slots(module, pack: Pack, names, device) -> torch.Tensor:

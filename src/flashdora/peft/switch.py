@@ -24,7 +24,7 @@ from torch import nn
 from flashdora import backend, config, dispatch
 from flashdora.ops.norm_cache import NormCache
 from flashdora.peft import layers as peft_layers
-from flashdora.peft import mixed_hooks, variant, watch
+from flashdora.peft import mixed, mixed_hooks, variant, watch
 from flashdora.peft.enable_check import warn_if_nothing_to_enable
 from flashdora.peft.support import unsupported_reason
 from flashdora.peft.variant import (
@@ -79,8 +79,7 @@ def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) 
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
-        for kept in ("_flashdora_mixed", "_flashdora_mixed_held"):  # (mixed-batch packs: peft/mixed.py)
-            module.__dict__.pop(kept, None)
+        mixed.forget(module)  # (a mixed-batch pack: its scales are cached norms)
         for owner in module.lora_magnitude_vector.values():
             NormCache.clear(owner)
             owner._flashdora_cache_id = NormCache.register(owner) if norm_cache else -1
