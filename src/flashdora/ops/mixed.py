@@ -6,8 +6,9 @@ transposed (``[d_in, R]``, ``R`` the summed ranks), their B matrices side by sid
 adapter and scaling, and each adapter's DoRA scales ``(g, g - 1)`` from the norm cache (``g = 1``, ``g - 1 = 0``
 for a LoRA adapter and for the base model, slot 0). A call is then two launches whatever the number of adapters:
 ``u = x A_all^T`` (``x @ lora_A_t``; at 16 decode tokens cuBLAS's float32 kernel for this layout took 14-21 us on
-an H200 at R = 256, against 22-37 us for ``F.linear`` of the untransposed stack) and the compose, which keeps each
-request's own columns of ``u`` (times its scaling), multiplies by ``B_all`` and applies its slot's scales:
+an H200 at R = 256, against 22-37 us for ``F.linear`` of the untransposed stack: benchmarks/results, "mixed-probes")
+and the compose, which keeps each request's own columns of ``u`` (times its scaling), multiplies by ``B_all`` and
+applies its slot's scales:
 
     y = result + (g - 1) (result - bias) + g s B A x        (PEFT's DoRA form; LoRA: result + s B A x)
 
