@@ -249,3 +249,19 @@ print("OK")
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_mixed_batch_on_adapters_made_under_inference_mode():
+    """Adapters whose weights are inference tensors (a model loaded inside ``torch.inference_mode()``) have no
+    version counter: a mixed batch builds its pack on every call, keeps none, and gives PEFT's rows."""
+    with torch.inference_mode():
+        model = build()
+        ids = ids_for(NAMES)
+        assert next(p for n, p in model.named_parameters() if "lora_A" in n).is_inference()
+        ref = per_adapter(model, ids, NAMES)
+        flashdora.enable(model)
+        flashdora.reset_stats()
+        for _ in range(2):
+            assert rel_err(model(input_ids=ids, adapter_names=NAMES).logits, ref) <= 1e-5
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert layer.__dict__.get("_flashdora_mixed") is None and flashdora.stats().get("mixed-eager") == 28

@@ -1,17 +1,42 @@
 """Mixed-adapter batches (``peft/mixed.py``) after changes: a kept pack is rebuilt or left for PEFT's loop after
 training, in-place edits, ``set_scale``, new tensors and storage, ``enable``, hooks, instance forwards, replaced and
-re-classed modules, and gradients; each row stays PEFT's for its adapter."""
+re-classed modules, and gradients; each row stays PEFT's for its adapter. The kept pack's check runs in Python and,
+once the C++ extension is adopted, in C++ (``csrc/check.cpp``): both are tested."""
 
 import pytest
 import torch
 
 import flashdora
+from flashdora import native, native_bridge
+from flashdora.peft import mixed as peft_mixed
 from tests.helpers import rel_err
 from tests.mixed_models import NAMES, build, ids_for, mixed, per_adapter
 from tests.peft_models import unpatched  # noqa: F401 - the autouse fixture: PEFT runs its own code
 
 
-def test_mixed_after_training_and_edits_serves_no_stale_norm():
+@pytest.fixture(params=["python", "cpp"])
+def check(request, monkeypatch):
+    """The kept pack's check in Python, or in C++ (the extension built and adopted); in C++, the test fails unless
+    the C++ check ran."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "_adopted", None)
+        yield request.param
+        return
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    native.reset()
+    mod = native.module()
+    native.reset()
+    if mod is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    monkeypatch.setattr(native, "_adopted", mod)
+    ran = []
+    real = native_bridge.held_unchanged
+    monkeypatch.setattr(native_bridge, "held_unchanged", lambda held: ran.append(1) or real(held))
+    yield request.param
+    assert ran, "the C++ check never ran"
+
+
+def test_mixed_after_training_and_edits_serves_no_stale_norm(check):
     """A pack kept from a first mixed call is rebuilt after an AdamW step on one adapter, an in-place edit of a LoRA
     adapter's B and of another DoRA adapter's magnitude, and a ``set_scale``: each row stays PEFT's."""
     model = build()
@@ -82,7 +107,7 @@ def test_mixed_hooks_and_grad_take_peft_loop():
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["hook-epoch", "every-call"])
-def test_mixed_kept_pack_follows_hooks_and_module_changes(private, monkeypatch):
+def test_mixed_kept_pack_follows_hooks_and_module_changes(private, check, monkeypatch):
     """After packs are kept, each change PEFT would see through its module calls reaches the next mixed call: a
     forward hook that changes ``lora_A``'s output (PEFT's loop runs, the hook fires), a pre-hook on a dropout module,
     an instance ``forward`` on ``lora_B``, a module replaced in ``lora_A``, and a ``lora_B`` re-classed.
@@ -136,3 +161,61 @@ def test_mixed_kept_pack_follows_hooks_and_module_changes(private, monkeypatch):
     )
     check("class changed")
     assert flashdora.stats().get("peft_fallback:mixed-batch:hooks:Tripled") == 2
+
+
+def test_cpp_check_agrees_with_python_on_each_change(monkeypatch):
+    """``held_unchanged`` in C++ against the Python passes, on one layer's kept pack: both say unchanged, then both
+    say changed after each of: an in-place edit, new storage (``.data``), a new Parameter, a module replaced, a
+    module re-classed, an instance ``forward``."""
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    native.reset()
+    mod = native.module()
+    native.reset()
+    if mod is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    monkeypatch.setattr(native, "_adopted", None)  # (the packs below are built with the Python check)
+    model = build()
+    ids = ids_for(NAMES)
+
+    def both(layer):
+        held = layer.__dict__[peft_mixed._HELD]
+        monkeypatch.setattr(native, "_adopted", mod)
+        cpp = native_bridge.held_unchanged(held)
+        monkeypatch.setattr(native, "_adopted", None)
+        x = torch.zeros(1, 1, layer.in_features)
+        python = peft_mixed._unchanged(layer, layer.base_layer, held.key[0], x)
+        return cpp, python
+
+    def fresh():
+        mixed(model, ids, NAMES)
+        layer = model.base_model.model.model.layers[1].mlp.down_proj
+        assert both(layer) == (True, True)
+        return layer
+
+    def edit_in_place(layer):
+        with torch.no_grad():
+            layer.lora_A["d2"].weight.mul_(2.0)
+
+    def new_storage(layer):
+        layer.lora_B["l1"].weight.data = layer.lora_B["l1"].weight.data.clone()
+
+    def new_parameter(layer):
+        layer.lora_magnitude_vector["d3"].weight = torch.nn.Parameter(layer.lora_magnitude_vector["d3"].weight * 1)
+
+    def module_replaced(layer):
+        layer.lora_dropout["d1"] = torch.nn.Identity()
+
+    def reclassed(layer):
+        layer.lora_A["l1"].__class__ = type("Other", (torch.nn.Linear,), {})
+
+    def instance_forward(layer):
+        layer.lora_B["d3"].forward = layer.lora_B["d3"].forward
+
+    for change in (edit_in_place, new_storage, new_parameter, module_replaced, reclassed, instance_forward):
+        layer = fresh()
+        change(layer)
+        assert both(layer) == (False, False), change.__name__
+        if "forward" in layer.lora_B["d3"].__dict__:
+            del layer.lora_B["d3"].forward
+        if type(layer.lora_A["l1"]).__name__ == "Other":
+            layer.lora_A["l1"].__class__ = torch.nn.Linear

@@ -34,7 +34,7 @@ import torch
 from flashdora import backend, config
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp"]  # (and csrc/launch.h, which both include)
+_SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp", _CSRC / "check.cpp"]  # (and csrc/launch.h, which both include)
 _module = None  # the built extension, once loaded
 _adopted = None  # the extension the layer path uses: ``_module`` from a point where no forward awaits its backward
 _state = "idle"  # idle -> building -> ready | failed

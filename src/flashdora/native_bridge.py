@@ -97,3 +97,13 @@ def _file_norm_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
         return False
     (mod.register_norm_small if small else mod.register_norm)(weight, lora_A, lora_B, magnitude, *plan)
     return True
+
+
+def held_unchanged(held) -> bool | None:
+    """``peft.mixed``'s kept-pack check in C++ (``csrc/check.cpp``) once the extension is adopted, else ``None`` (the
+    caller runs its Python passes). ``held``: a ``peft.mixed._Held``."""
+    mod = native._adopted
+    if mod is None:
+        return None
+    return mod.held_unchanged(held.tensors, held.owners, held.versions, held.ptrs, held.parents, held.modules,
+                              held.types, held.dicts)  # fmt: skip

@@ -32,7 +32,8 @@
 #include <vector>
 
 namespace flashdora_native {
-void add_norm(pybind11::module_& m);  // norm.cpp
+void add_norm(pybind11::module_& m);   // norm.cpp
+void add_check(pybind11::module_& m);  // check.cpp
 }  // namespace flashdora_native
 
 namespace {
@@ -373,6 +374,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
         py::arg("lx_base") = py::none());
   flashdora_native::add_norm(m);
+  flashdora_native::add_check(m);
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
         py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none());

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from flashdora import backend, config, dispatch
+from flashdora import backend, config, dispatch, native_bridge
 from flashdora.ops import norm_cache
 from flashdora.ops.cache_streams import capturing
 from flashdora.ops.mixed import Pack, build_pack, mixed_compose
@@ -179,7 +179,8 @@ def _key(module, base, adapters, x) -> tuple:
 
 def _held(module, base, adapters, x) -> _Held | None:
     """``_Held`` for a pack of ``adapters`` built now, ``None`` where an adapter's weight is not a registered
-    parameter (a parametrization computes it on each read: nothing to keep)."""
+    parameter (a parametrization computes it on each read) or is an inference tensor (no version counter): nothing
+    to keep."""
     mods = module._modules
     parents, modules, tensors, owners = [], [], [], []
     for adapter in adapters:
@@ -195,6 +196,8 @@ def _held(module, base, adapters, x) -> _Held | None:
                     return None
                 tensors.append(params["weight"])
                 owners.append(params)
+    if param(base, "weight").is_inference() or any(t.is_inference() for t in tensors):
+        return None
     return _Held(
         _key(module, base, adapters, x), tuple(parents), tuple(modules), tuple(map(type, modules)),
         tuple(m.__dict__ for m in modules), tuple(tensors), tuple(owners), tuple(map(_VERSION, tensors)),
@@ -228,16 +231,19 @@ def _unchanged(module, base, adapters, x) -> bool:
         # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
         # captured builds its own pack, so that each replay reads the weights as they are then)
         return False
-    if (
-        _key(module, base, adapters, x) != held.key
-        or not all(map(operator.is_, itertools.starmap(dict.get, held.parents), held.modules))
-        or not all(map(operator.is_, map(dict.get, held.owners, _WEIGHT), held.tensors))
-        or tuple(map(_VERSION, held.tensors)) != held.versions
-        or tuple(map(_PTR, held.tensors)) != held.ptrs
-        or tuple(map(type, held.modules)) != held.types
-        or any(map(operator.contains, held.dicts, _FORWARD))
-        or global_hooks()
-    ):  # fmt: skip
+    if _key(module, base, adapters, x) != held.key or global_hooks():
+        return False
+    same = native_bridge.held_unchanged(held)  # (the passes below in C++: about half their host time)
+    if same is None:
+        same = (
+            all(map(operator.is_, map(dict.get, held.owners, _WEIGHT), held.tensors))
+            and tuple(map(_VERSION, held.tensors)) == held.versions
+            and tuple(map(_PTR, held.tensors)) == held.ptrs
+            and all(map(operator.is_, itertools.starmap(dict.get, held.parents), held.modules))
+            and tuple(map(type, held.modules)) == held.types
+            and not any(map(operator.contains, held.dicts, _FORWARD))
+        )  # fmt: skip
+    if not same:
         return False
     epoch = _hook_epoch()
     if epoch is None or epoch != held.epoch[0]:  # a hook was registered somewhere since the last check
