@@ -1,5 +1,6 @@
-"""Shared test helpers: the tolerance table, float64 comparisons and input factories."""
+"""Shared test helpers: the tolerance table, float64 comparisons, input factories and the built C++ extension."""
 
+import pytest
 import torch
 
 # Relative error bars (||out - ref|| / ||ref|| against float64), the same on the GPU and under the interpreter: the
@@ -63,3 +64,18 @@ def backward_order(y: torch.Tensor) -> list[str]:
     a.register_prehook(lambda grads: order.append("a"))
     y.backward(torch.randn_like(y))
     return order
+
+
+def native_extension():
+    """flashdora's C++ extension, built (or loaded from torch's extension cache) now and not adopted (a test that
+    wants it in use sets ``native._adopted``); skips the test where it cannot be built."""
+    from flashdora import native
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHDORA_NATIVE", "1")
+        native.reset()
+        mod = native.module()
+    native.reset()
+    if mod is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    return mod

@@ -9,7 +9,7 @@ import torch
 import flashdora
 from flashdora import native, native_bridge
 from flashdora.peft import mixed as peft_mixed
-from tests.helpers import rel_err
+from tests.helpers import native_extension, rel_err
 from tests.mixed_models import NAMES, build, ids_for, mixed, per_adapter
 from tests.peft_models import unpatched  # noqa: F401 - the autouse fixture: PEFT runs its own code
 
@@ -22,12 +22,7 @@ def check(request, monkeypatch):
         monkeypatch.setattr(native, "_adopted", None)
         yield request.param
         return
-    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    native.reset()
-    mod = native.module()
-    native.reset()
-    if mod is None:
-        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    mod = native_extension()
     monkeypatch.setattr(native, "_adopted", mod)
     ran = []
     real = native_bridge.held_unchanged
@@ -167,12 +162,7 @@ def test_cpp_check_agrees_with_python_on_each_change(monkeypatch):
     """``held_unchanged`` in C++ against the Python passes, on one layer's kept pack: both say unchanged, then both
     say changed after each of: an in-place edit, new storage (``.data``), a new Parameter, a module replaced, a
     module re-classed, an instance ``forward``."""
-    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    native.reset()
-    mod = native.module()
-    native.reset()
-    if mod is None:
-        pytest.skip("the C++ extension cannot be built here (no compiler?)")
+    mod = native_extension()
     monkeypatch.setattr(native, "_adopted", None)  # (the packs below are built with the Python check)
     model = build()
     ids = ids_for(NAMES)

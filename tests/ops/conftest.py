@@ -2,16 +2,9 @@
 
 import pytest
 
-from flashdora import native
+from tests.helpers import native_extension
 
 
 @pytest.fixture(scope="module")
 def ext():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHDORA_NATIVE", "1")
-        native.reset()
-        mod = native.module()
-    native.reset()
-    if mod is None:
-        pytest.skip("the C++ extension cannot be built here (no compiler?)")
-    return mod
+    return native_extension()
