@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdora import backend, native
+from flashdora import backend, config, native
 from flashdora.ops import compose_fn
 from flashdora.ops.compose_fn import _cast, _compute_dtype
 
@@ -103,7 +103,7 @@ def held_unchanged(held) -> bool | None:
     """``peft.mixed``'s kept-pack check in C++ (``csrc/check.cpp``) once the extension is adopted, else ``None`` (the
     caller runs its Python passes). ``held``: a ``peft.mixed._Held``."""
     mod = native._adopted
-    if mod is None:
+    if mod is None or not config.native_on:
         return None
     return mod.held_unchanged(held.tensors, held.owners, held.versions, held.ptrs, held.parents, held.modules,
                               held.types, held.dicts)  # fmt: skip
