@@ -10,6 +10,7 @@ the same work in C++: it launches the compose-backward kernel (plan from ``kerne
 magnitude gradient's second stage and the two LoRA GEMMs. A norm cache miss (once per layer and optimizer step in
 training) runs in C++ too (``norm_scales``: the launches of ``kernels.norm.norm_and_scales``). A call the C++ side
 has no plan for yet (a shape's first calls, which tune and compile) runs the Python path, which then files the plans.
+The extension also holds a mixed-adapter layer's kept-stack check (``csrc/check.cpp``, ``peft.mixed``).
 
 It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, as Triton's own launcher needs a compiler;
 no CUDA toolkit: it finds ``cuLaunchKernel`` in the driver torch loaded) into torch's extension cache, once per
@@ -34,7 +35,7 @@ import torch
 from flashdora import backend, config
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp", _CSRC / "check.cpp"]  # (and csrc/launch.h, which both include)
+_SOURCES = [_CSRC / "compose.cpp", _CSRC / "norm.cpp", _CSRC / "check.cpp"]  # (and launch.h: compose.cpp, norm.cpp)
 _module = None  # the built extension, once loaded
 _adopted = None  # the extension the layer path uses: ``_module`` from a point where no forward awaits its backward
 _state = "idle"  # idle -> building -> ready | failed
