@@ -265,3 +265,17 @@ def test_mixed_batch_on_adapters_made_under_inference_mode():
             assert rel_err(model(input_ids=ids, adapter_names=NAMES).logits, ref) <= 1e-5
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     assert layer.__dict__.get("_flashdora_mixed") is None and flashdora.stats().get("mixed-eager") == 28
+
+
+def test_mixed_batch_after_the_base_weight_became_an_inference_tensor():
+    """A kept pack, then the base weight replaced by an inference tensor (no version counter): the next mixed call
+    builds its pack afresh and gives PEFT's rows (the kept pack's check raised ``RuntimeError``)."""
+    model = build()
+    ids = ids_for(NAMES)
+    mixed(model, ids, NAMES)  # packs kept
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.inference_mode():
+        layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight * 1.5)
+        assert layer.base_layer.weight.is_inference()
+        out = model(input_ids=ids, adapter_names=NAMES).logits
+        assert rel_err(out, per_adapter(model, ids, NAMES)) <= 1e-5

@@ -231,7 +231,11 @@ def _unchanged(module, base, adapters, x) -> bool:
         # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
         # captured builds its own pack, so that each replay reads the weights as they are then)
         return False
-    if _key(module, base, adapters, x) != held.key or global_hooks():
+    try:
+        key = _key(module, base, adapters, x)
+    except RuntimeError:  # a base weight replaced by an inference tensor: no version counter, nothing to key on
+        return False
+    if key != held.key or global_hooks():
         return False
     same = native_bridge.held_unchanged(held)  # (the passes below in C++: about half their host time)
     if same is None:
