@@ -2,9 +2,10 @@
 
 The cache keeps ``||W||^2`` across optimizer steps so that a frozen base computes it once. Fused optimizers write
 parameters without moving their version counters, so what tells the cache that a step wrote W is the step's stamp
-on W's storage (``norm_cache._count_step``), or for a W that requires a gradient at the forward any step at all (an
-optimizer wrapper stepping its own copies writes W back with neither). Each scenario ends with the enabled model's
-output compared with itself with the cache off and with PEFT on the same weights.
+on W's storage (``norm_cache._count_step``), or for a W that requires a gradient at the forward or carries an
+optimizer wrapper's gradient hook any step at all (a wrapper stepping its own copies writes W back with neither). Each
+scenario ends with the enabled model's output compared with itself with the cache off and with PEFT on the same
+weights.
 """
 
 import copy
@@ -152,14 +153,19 @@ class MasterCopyAdamW:
     """An optimizer wrapper as DeepSpeed ZeRO-1/2 is one: ``torch.optim.AdamW`` steps float32 master copies, and the
     wrapper writes them back into the parameters below autograd (no stamp on their storage, no version bump)."""
 
-    def __init__(self, params):
+    def __init__(self, params, as_deepspeed: bool = False):
         self.params = list(params)
         self.masters = [p.detach().clone().requires_grad_(True) for p in self.params]
         self.inner = torch.optim.AdamW(self.masters, lr=0.05)
+        self.as_deepspeed = as_deepspeed
+        if as_deepspeed:  # DeepSpeed ZeRO's gradient hook on each parameter it holds (removed only with the wrapper)
+            self.hooks = [p.register_post_accumulate_grad_hook(lambda p: None) for p in self.params]
 
     def step(self):
         for p, master in zip(self.params, self.masters):
-            master.grad = None if p.grad is None else p.grad.detach().clone()
+            # (DeepSpeed's flat master partitions: a parameter frozen since has a zero gradient, stepped all the same)
+            zero = torch.zeros_like(master) if self.as_deepspeed else None
+            master.grad = zero if p.grad is None else p.grad.detach().clone()
         self.inner.step()
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
@@ -175,6 +181,29 @@ def test_a_trainable_base_stepped_through_a_master_copy_is_never_stale(monkeypat
     opt = MasterCopyAdamW([p for p in model.parameters() if p.requires_grad])
     for step in range(2):
         ids = _ids(20 + step)
+        before = [(p.detach().clone(), p._version) for p in bases]
+        _forward(model, ids, backward=True)
+        opt.step()
+        model.zero_grad()
+        for p, (values, version) in zip(bases, before):
+            assert not torch.equal(p, values) and p._version == version  # written behind the version counter
+        _check(model, ids, monkeypatch, f"step {step}")
+
+
+def test_a_base_frozen_after_a_wrapper_took_it_is_never_stale(monkeypatch):
+    """A base weight trainable when an optimizer wrapper took it (``deepspeed.initialize`` with ZeRO-1/2/3) and frozen
+    before any forward: the wrapper keeps stepping its master copy (weight decay on a zero gradient) and writing it
+    back, and the parameter never requires a gradient in a forward. The gradient hook the wrapper left on it says
+    so: any step may have written it (``norm_cache._last_step``)."""
+    model = _model()
+    bases = _bases(model)
+    _set_trainable(bases, True)
+    opt = MasterCopyAdamW([p for p in model.parameters() if p.requires_grad], as_deepspeed=True)
+    _set_trainable(bases, False)
+    for group in opt.inner.param_groups:
+        group["weight_decay"] = 2.0
+    for step in range(2):
+        ids = _ids(30 + step)
         before = [(p.detach().clone(), p._version) for p in bases]
         _forward(model, ids, backward=True)
         opt.step()

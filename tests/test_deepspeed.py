@@ -1,12 +1,15 @@
-"""DeepSpeed: ZeRO-3 partitions every parameter and gathers it in module hooks, so flashdora sends every DoRA layer to
-PEFT's own forward (``peft_fallback:deepspeed_zero3``) and trains exactly as PEFT does; under ZeRO-2 it runs its own
-path. Two ranks on the CPU (gloo, DeepSpeed's CPU accelerator; ``tests/ds_worker.py``), and the ZeRO-3 check in one
-process on parameters tagged as DeepSpeed tags them."""
+"""DeepSpeed: ZeRO-3 partitions every parameter and gathers it in module hooks; flashdora reads the adapter and base
+weights in the engine's forward, where DeepSpeed gathers them and registers them with the LoRA layer (for its backward
+and recomputation too), and runs its own path, ``||W||^2`` keyed by the ZeRO partition; a call that finds a parameter
+partitioned runs PEFT's own forward (``peft_fallback:deepspeed_zero3``). Under ZeRO-2 it runs its own path. Two ranks
+on the CPU (gloo, DeepSpeed's CPU accelerator; ``tests/ds_worker.py``), and the fallback in one process on parameters
+tagged as DeepSpeed tags them."""
 
 import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,17 @@ needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed (pip install deepspeed; scripts/test.sh installs it with the test extras)",
 )
-CASES = ("zero3", "zero3-after", "zero3-accelerate", "zero2", "zero3-trainer")
+CASES = (
+    "zero3",
+    "zero3-after",
+    "zero3-accelerate",
+    "zero3-release",
+    "zero3-reentrant",
+    "zero2",
+    "zero3-freeze-after",
+    "zero2-freeze-after",
+    "zero3-trainer",
+)
 
 
 def _worker(*args: str, env: dict[str, str] | None = None) -> str:
@@ -37,12 +50,12 @@ def _worker(*args: str, env: dict[str, str] | None = None) -> str:
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun with gloo")
 def test_deepspeed_trains_like_peft_on_two_cpu_ranks():
     """Two ranks on the CPU, 3 AdamW steps, fp32, gradient checkpointing on: under ZeRO-3 (``deepspeed.initialize``
-    with flashdora enabled before or after it, accelerate's ``DeepSpeedPlugin(zero_stage=3)``, and the Trainer with
-    the model built under ``deepspeed.zero.Init``) the parameters are partitioned at rest, every DoRA call runs PEFT's
-    forward (counted ``peft_fallback:deepspeed_zero3``, one warning, named by ``report()``; no flashdora op ran), and
-    losses and adapter weights equal PEFT's under the same config and in one process; under ZeRO-2 flashdora's own
-    path, one norm per layer per step and one ``||W||^2`` per frozen base, with the same results. (The checks are the
-    worker's.)"""
+    with flashdora enabled before or after it, with every parameter released after each use and re-gathered, with
+    reentrant checkpointing, accelerate's ``DeepSpeedPlugin(zero_stage=3)``, and the Trainer with the model built
+    under ``deepspeed.zero.Init``) the parameters are partitioned at rest, every DoRA call runs flashdora's own path
+    (no fallback, named by ``report()``) with one ``||W||^2`` per frozen base in the run, and losses and adapter
+    weights equal PEFT's under the same config and in one process; under ZeRO-2 flashdora's own path, one norm per
+    layer per step and one ``||W||^2`` per frozen base, with the same results. (The checks are the worker's.)"""
     out = _worker(env={"DS_ACCELERATOR": "cpu"})
     assert all(f"OK {case}\n" in out for case in CASES), out
 
@@ -50,15 +63,15 @@ def test_deepspeed_trains_like_peft_on_two_cpu_ranks():
 @pytest.mark.gpu2
 @needs_deepspeed
 def test_deepspeed_trains_like_peft_on_two_gpus():
-    """The same on two GPUs (NCCL): ZeRO-3 on PEFT's route, ZeRO-2 on the Triton path."""
+    """The same on two GPUs (NCCL): the Triton path under ZeRO-3 and ZeRO-2."""
     out = _worker("--device", "cuda")
     assert all(f"OK {case}\n" in out for case in CASES), out
 
 
 def test_zero3_parameters_run_peft_forward():
-    """A layer whose parameters carry DeepSpeed's ZeRO-3 tag (``ds_id``, set on every parameter it partitions) runs
-    PEFT's forward with its own counted reason, even with no hook in sight: outside its hooks' gathers such a
-    parameter is empty. (Tagged by hand here, whole: the same output as PEFT's own.)"""
+    """A layer whose parameters carry DeepSpeed's ZeRO-3 tag (``ds_id``, set on every parameter it partitions) but
+    not its ``ds_status`` AVAILABLE runs PEFT's forward with its own counted reason, even with no hook in sight:
+    outside its gathers such a parameter is empty. (Tagged by hand here, whole: the same output as PEFT's own.)"""
     model = llama(dropout=0.0)
     ids = make_ids(model.config.vocab_size)
     with torch.no_grad():
@@ -81,3 +94,71 @@ def test_zero3_parameters_run_peft_forward():
     with torch.no_grad():
         model(input_ids=ids)
     assert not any(k.startswith("peft_fallback") for k in flashdora.stats())  # untagged: flashdora's path again
+
+
+class _Available:  # DeepSpeed's ``ZeroParamStatus.AVAILABLE``, as ``_gathered`` reads it (by name)
+    name = "AVAILABLE"
+
+
+@pytest.mark.parametrize("tested", [True, False], ids=["tested", "untested"])
+def test_gathered_zero3_parameters_take_flashdoras_route_only_on_a_tested_deepspeed(monkeypatch, tested):
+    """Parameters tagged as DeepSpeed tags them while gathered (``ds_id``, ``ds_status`` AVAILABLE, whole) run
+    flashdora's route on a DeepSpeed the tests cover, and PEFT's forward (``peft_fallback:deepspeed_zero3``) on any
+    other, or with ``private_apis`` off: telling ZeRO-3's module hooks from a user's reads DeepSpeed's private
+    closure names (``config.deepspeed_tested``). The output is PEFT's either way."""
+    from flashdora import config
+
+    monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [tested])
+    model = llama(dropout=0.0)
+    ids = make_ids(model.config.vocab_size)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    flashdora.enable(model)
+    tagged = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
+    for i, p in enumerate(tagged):
+        p.ds_id, p.ds_status, p.ds_numel = i, _Available(), p.numel()
+    flashdora.reset_stats()
+    backend._warned.discard("fallback:deepspeed_zero3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+    assert rel_err(got, want) < 1e-5
+    fallbacks = {k: v for k, v in flashdora.stats().items() if k.startswith("peft_fallback")}
+    assert fallbacks == ({} if tested else {"peft_fallback:deepspeed_zero3": len(tagged)})
+    assert any("deepspeed_zero3" in str(w.message) for w in caught) is not tested
+    if tested:
+        monkeypatch.setenv("FLASHDORA_PRIVATE_APIS", "0")
+        config.reload()
+        flashdora.reset_stats()
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert flashdora.stats().get("peft_fallback:deepspeed_zero3") == len(tagged)
+
+
+def test_zero3_conv1d_base_runs_peft_forward(monkeypatch):
+    """A gathered ZeRO-3 ``Conv1D`` base (GPT-2's, ``fan_in_fan_out``) runs PEFT's forward
+    (``peft_fallback:deepspeed_zero3:fan_in_fan_out``): flashdora's ``weight.T`` view would hold the gathered weight
+    until the backward, where DeepSpeed frees it after the forward."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from flashdora import config
+
+    monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [True])
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    lora = LoraConfig(r=4, use_dora=True, init_lora_weights=False, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel(cfg), lora).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    flashdora.enable(model)
+    (weight,) = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
+    weight.ds_id, weight.ds_status, weight.ds_numel = 0, _Available(), weight.numel()
+    flashdora.reset_stats()
+    backend._warned.discard("fallback:deepspeed_zero3:fan_in_fan_out")
+    with pytest.warns(UserWarning, match="fan_in_fan_out"), torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert rel_err(got, want) < 1e-5
+    assert flashdora.stats() == {"peft_fallback:deepspeed_zero3:fan_in_fan_out": 1}

@@ -18,7 +18,8 @@ Version gates (``TESTED``): private internals of a library are used only on the 
 other version, or with ``private_apis`` off, the plain public path runs (``private``). PEFT's private surface
 (``LoraLayer._cast_input_dtype``, ``_active_adapter``, ``_disable_adapters``, the ``lora.bnb`` classes' forwards,
 ``DoraLinearVariant.forward``) is gated by ``peft_tested``: outside the tested range ``enable`` still works, but
-layers run PEFT's own forward (``peft_fallback:peft-version``).
+layers run PEFT's own forward (``peft_fallback:peft-version``). DeepSpeed's (the names of ZeRO-3's module hooks) is
+gated by ``deepspeed_tested``: elsewhere ZeRO-3 layers run PEFT's forward (``peft_fallback:deepspeed_zero3``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ TESTED = {
     "triton": ((3, 6), (3, 9)),
     "bitsandbytes": ((0, 50), (0, 50)),
     "peft": ((0, 19), (0, 21)),
+    "deepspeed": ((0, 19), (0, 19)),
 }
 
 # The settings (module attributes, set by ``_apply``), and what follows from them and the versions:
@@ -101,6 +103,18 @@ def peft_tested() -> bool:
             return _peft_tested_now()
         _PEFT_TESTED.append(tested("peft"))
     return _PEFT_TESTED[0]
+
+
+_DEEPSPEED_TESTED: list[bool] = []
+
+
+def deepspeed_tested() -> bool:
+    """Whether DeepSpeed's private surface may be used: a version the tests cover (``TESTED``) and ``private_apis``
+    on. flashdora tells DeepSpeed ZeRO-3's module hooks on the adapter modules by their closures' names; elsewhere
+    ZeRO-3 layers run PEFT's forward (``peft_fallback:deepspeed_zero3``). Asked outside compiled regions only."""
+    if not _DEEPSPEED_TESTED:
+        _DEEPSPEED_TESTED.append(tested("deepspeed"))
+    return _DEEPSPEED_TESTED[0] and private_apis
 
 
 @torch.compiler.assume_constant_result

@@ -120,14 +120,32 @@ def _storage_number(t) -> int:
 
 def _last_step(t) -> int:
     """The last optimizer step that may have written ``t``'s values (``_count_step``; an FSDP2 parameter's: its
-    shard's), 0 if none has. A tensor that requires a gradient: the last step of any optimizer (a wrapper such as
-    DeepSpeed ZeRO-1/2 steps its own copy of a parameter and writes the values back below autograd, with no stamp and
-    no version bump)."""
-    if t.requires_grad:
+    shard's), 0 if none has.
+
+    Optimizer wrappers step a parameter below autograd, unseen by the stamps: DeepSpeed's ZeRO optimizers step their
+    own fp32 copy and copy the values back through ``.data``, and keep doing so for a parameter frozen after
+    ``deepspeed.initialize``. Such a parameter is marked by the gradient hook the wrapper registers on it
+    (``register_post_accumulate_grad_hook``, kept until the wrapper is destroyed). So a tensor that requires a
+    gradient, carries such a hook, or once required a gradient as a ZeRO-3 parameter, may have been written by the
+    last step of any optimizer. A ZeRO-3 parameter's gathered storage is new at every gather: it holds no stamp.
+    Without ``config.private`` (the hook list is a private attribute), every parameter counts as stepped."""
+    p = _zero3_param(t)
+    if p is not None:
+        if p.requires_grad:
+            p._flashdora_trained = True
+        stepped = getattr(p, "_flashdora_trained", False) or _wrapper_held(p)
+        return _steps if stepped else _unstamped
+    if t.requires_grad or _wrapper_held(t if t._base is None else t._base):
         return _steps
     tag = getattr(t, "_flashdora_shard", None) or getattr(t._base, "_flashdora_shard", None)  # (``_key``)
     storage = (t if tag is None else tag[1]).untyped_storage()
     return max(getattr(storage, "_flashdora_step", 0), _unstamped)
+
+
+def _wrapper_held(p) -> bool:
+    """Whether ``p`` carries a post-accumulate-grad hook (``_last_step``): an optimizer wrapper's, such as DeepSpeed
+    ZeRO's, or an optimizer step in the backward. Without ``config.private``: always."""
+    return not config.private or bool(getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 def _key(t) -> tuple | None:
@@ -148,6 +166,31 @@ def _key(t) -> tuple | None:
     n = _storage_number
     return ("shard", local.data_ptr(), n(local), shard_version, local_version, t.shape, t.stride(), t.storage_offset(),
             t.dtype, t.device, n(t), t._version)  # fmt: skip
+
+
+def _zero3_param(t):
+    """The DeepSpeed ZeRO-3 parameter ``t`` is (or ``weight.T`` views), else ``None``: its ``ds_tensor`` is the
+    rank's partition, which outlives every gather."""
+    if "ds_tensor" in getattr(t, "__dict__", ()):
+        return t
+    base = t._base
+    return base if base is not None and "ds_tensor" in getattr(base, "__dict__", ()) else None
+
+
+def _base_sq_key(weight, w_key) -> tuple:
+    """The key of ``weight``'s ``||W||^2``: its own key (``_key``), or for a ZeRO-3 parameter its partition's.
+
+    DeepSpeed gathers a ZeRO-3 parameter into a new buffer at every gather (forward, backward, recomputation), so
+    its own key changes at each; its values are those of the ranks' partitions. This rank's partition
+    (``ds_tensor``) is kept across gathers: its storage number and version (``GatheredParameters``'s write-back
+    copies into it in place) and the parameter's own version (an in-place write through the gathered parameter)
+    stand for the gathered values; optimizer steps are ``_last_step``'s."""
+    p = _zero3_param(weight)
+    part = None if p is None else p.ds_tensor
+    if part is None or getattr(p, "ds_status", None) is None:
+        return w_key
+    return ("zero3", p.ds_id, part.data_ptr(), _storage_number(part), part._version, p._version, weight.shape,
+            weight.stride(), weight.dtype, weight.device)  # fmt: skip
 
 
 def _keys(w, a, b, m) -> tuple:
@@ -269,7 +312,7 @@ def _update(
         cache["scales"] = scales_on(magnitude, cache["norm"], impl != "eager")
     else:
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps that did not touch it
-        w_key = (key[0], _events, _last_step(weight))
+        w_key = (_base_sq_key(weight, key[0]), _events, _last_step(weight))
         new_sq = cache.get("w_sq_key") != w_key
         if quantized is not None:
             weight = dequantized(quantized, weight, dtype)  # the 16-bit weight the forward computes with, freed after

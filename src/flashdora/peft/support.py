@@ -8,6 +8,7 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from flashdora import config
 from flashdora.quant.dequant import dequantized  # noqa: F401 (peft.variant imports it from here)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -20,7 +21,7 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
     lora_B_layer = mods["lora_B"]._modules[adapter]
     why = reason(
         base, param(base, "weight"), param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
-        param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"),
+        param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"), at_rest=True,
     )  # fmt: skip
     hook = None if why is not None else hooked_adapter(module, adapter)  # (flash_forward's order: its answer)
     return why if hook is None else f"hooks:{hook}"
@@ -73,9 +74,44 @@ def hooked(*modules: nn.Module) -> str | None:
         if (
             module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
             or module._backward_pre_hooks or "forward" in module.__dict__
-        ):  # fmt: skip
+        ) and not zero3_hooks_only(module):  # fmt: skip
             return module._get_name()
     return "global" if global_hooks() else None
+
+
+_ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
+
+
+def zero3_hooks_only(module: nn.Module) -> bool:
+    """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks (``DeepSpeedZeRoOffload.
+    _register_deepspeed_module``: gather before its forward, release after, the same around its backward) and its
+    forward is its class's. Such a module need not be called: its parameters, read from ``module._parameters``
+    in the engine's forward, are gathered by DeepSpeed and registered as external parameters of the calling
+    module (the LoRA layer), which DeepSpeed then gathers for its backward and its checkpoint recomputation. The
+    hooks are told by DeepSpeed's private closure names: only on a DeepSpeed the tests cover (``config.TESTED``)."""
+    if (
+        module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__
+        or not config.deepspeed_tested()
+    ):  # fmt: skip
+        return False
+    for hooks in (module._forward_hooks, module._forward_pre_hooks):
+        for hook in hooks.values():
+            if not _zero3_hook(hook):
+                return False
+    return True
+
+
+def _zero3_hook(fn) -> bool:
+    """Whether ``fn`` is a closure of ``DeepSpeedZeRoOffload._register_deepspeed_module`` (through
+    ``torch.compiler.disable``'s ``__wrapped__`` or ``deepspeed.utils.nvtx.instrument_w_nvtx``'s closure)."""
+    fn = getattr(fn, "__wrapped__", fn)
+    if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx" and getattr(fn, "__closure__", None):
+        inner = [c.cell_contents for c in fn.__closure__ if callable(c.cell_contents)]
+        fn = inner[0] if len(inner) == 1 else fn
+    qualname = getattr(fn, "__qualname__", "")
+    return getattr(fn, "__module__", None) == _ZERO3_HOOKS and qualname.startswith(
+        "DeepSpeedZeRoOffload._register_deepspeed_module.<locals>."
+    )
 
 
 def hooked_adapter(module: nn.Module, adapter: str) -> str | None:
@@ -107,10 +143,31 @@ def _sharded(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) -> str | None:
-    """``unsupported_reason`` from the layer's parts, as the forward has them in hand."""
-    if not torch.compiler.is_compiling() and (hasattr(lora_A, "ds_id") or hasattr(weight, "ds_id")):
-        return "deepspeed_zero3"  # DeepSpeed ZeRO-3: empty outside its hooks' gathers (which fall back too)
+def _gathered(t, at_rest: bool = False) -> bool:
+    """Whether ``t`` is not a DeepSpeed ZeRO-3 parameter (tagged ``ds_id``) or is one gathered now (``ds_status``
+    AVAILABLE; ``at_rest``: any with a ``ds_status``, which the engine's forward gathers). In the engine's forward
+    DeepSpeed gathers a partitioned parameter as the layer reads it from its module's ``_parameters`` and registers
+    it as an external parameter of the running module (the LoRA layer): it is then gathered for that layer's
+    backward and its checkpoint recomputation too. Elsewhere (a forward outside the engine, a hand-tagged tensor)
+    it may be empty."""
+    if not hasattr(t, "ds_id"):
+        return True
+    status = getattr(getattr(t, "ds_status", None), "name", None)
+    if at_rest:
+        return status is not None
+    return status == "AVAILABLE" and t.numel() == getattr(t, "ds_numel", -1)
+
+
+def reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, at_rest: bool = False) -> str | None:
+    """``unsupported_reason`` from the layer's parts, as the forward has them in hand (``at_rest``: outside a
+    forward, where DeepSpeed's ZeRO-3 parameters are partitioned)."""
+    if (hasattr(lora_A, "ds_id") or hasattr(weight, "ds_id")) and not torch.compiler.is_compiling():
+        parts = (weight, lora_A, lora_B, magnitude)
+        if not config.deepspeed_tested() or not all(_gathered(t, at_rest) for t in parts):
+            return "deepspeed_zero3"  # a ZeRO-3 parameter not gathered now (empty: PEFT's forward gathers it), or an
+            # untested DeepSpeed, whose module hooks flashdora cannot tell from a user's (``zero3_hooks_only``)
+        if isinstance(base, Conv1D):  # ``weight.T``, a view, would keep the gathered weight alive until the backward
+            return "deepspeed_zero3:fan_in_fan_out"
     if not isinstance(base, (nn.Linear, Conv1D)):
         return f"base:{type(base).__name__}"
     if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FLOATS) and not is_bnb(base):
