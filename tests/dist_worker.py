@@ -68,10 +68,12 @@ def adapters(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 2e-5) -> None:
+def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 2e-5) -> float:
+    """The relative error of ``a`` against ``b``; raises when over ``tol``."""
     err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
     if not err <= tol:
         raise AssertionError(f"{what}: relative error {err:.3g} > {tol:g}")
+    return err
 
 
 def reference(steps: int, data) -> tuple[list[float], dict[str, torch.Tensor]]:

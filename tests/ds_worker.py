@@ -230,16 +230,27 @@ def check(case: str, steps: int, ref) -> None:
         ref_losses, ref_adapters = ([None] * steps, {}) if alone else ref
         if len(losses) != steps or len(peft_losses) != steps:
             raise AssertionError(f"{case}: losses {losses} and PEFT's {peft_losses} for {steps} steps")
+        # float32 round-off: on a GPU, cuBLAS and the Triton kernels sum in other orders than the CPU's (and than each
+        # other), and Adam's first steps magnify it in near-zero gradient elements
+        loss_tol, ds_tol, one_tol = (2e-5, 1e-5, 1e-4) if dist_worker.DEVICE.type == "cpu" else (1e-4, 1e-4, 1e-3)
+        worst = {"loss vs PEFT under DeepSpeed": 0.0, "loss vs PEFT in one process": 0.0}
         for step in range(steps):
             for name, want in (("PEFT under DeepSpeed", peft_losses[step]), ("PEFT in one process", ref_losses[step])):
                 if want is not None:
-                    close(torch.tensor(losses[step]), torch.tensor(want), f"{case} loss at step {step} vs {name}")
+                    err = close(
+                        torch.tensor(losses[step]), torch.tensor(want), f"{case} loss {step} vs {name}", loss_tol
+                    )
+                    worst[f"loss vs {name}"] = max(worst[f"loss vs {name}"], err)
         if set(adapters) != set(peft_adapters) or len(adapters) != 3 * N_LAYERS or set(ref_adapters) - set(adapters):
             raise AssertionError(f"{case}: adapters {sorted(adapters)[:3]}..., PEFT's {sorted(peft_adapters)[:3]}...")
+        worst.update({"adapters vs PEFT under DeepSpeed": 0.0, "adapters vs PEFT in one process": 0.0})
         for name, want in peft_adapters.items():
-            close(adapters[name], want, f"{case} {name} vs PEFT under DeepSpeed", 1e-5)
+            err = close(adapters[name], want, f"{case} {name} vs PEFT under DeepSpeed", ds_tol)
+            worst["adapters vs PEFT under DeepSpeed"] = max(worst["adapters vs PEFT under DeepSpeed"], err)
             if name in ref_adapters:
-                close(adapters[name], ref_adapters[name], f"{case} {name} vs PEFT in one process", 1e-4)
+                err = close(adapters[name], ref_adapters[name], f"{case} {name} vs PEFT in one process", one_tol)
+                worst["adapters vs PEFT in one process"] = max(worst["adapters vs PEFT in one process"], err)
+        print(f"worst relative errors, {case}: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()), flush=True)
         print(f"OK {case}", flush=True)
 
 
