@@ -226,13 +226,15 @@ def check(case: str, steps: int, ref) -> None:
     elif norms != N_LAYERS * steps:  # once per layer per step (the recomputation from the cache)
         raise AssertionError(f"{case}: stats {stats}")
     if rank == 0:
-        alone = case == "zero3-trainer" or "freeze-after" in case  # (the reference trains a frozen base)
+        # (the Trainer shuffles, the reference trains a frozen base; on GPUs, cuBLAS picks other kernels for each
+        # rank's half batch than for the whole one, and Adam's first steps magnify that round-off in near-zero
+        # gradient elements to 7e-3 in PEFT's own runs: PEFT under DeepSpeed, same ranks, is the reference there)
+        alone = case == "zero3-trainer" or "freeze-after" in case or dist_worker.DEVICE.type != "cpu"
         ref_losses, ref_adapters = ([None] * steps, {}) if alone else ref
         if len(losses) != steps or len(peft_losses) != steps:
             raise AssertionError(f"{case}: losses {losses} and PEFT's {peft_losses} for {steps} steps")
-        # float32 round-off: on a GPU, cuBLAS and the Triton kernels sum in other orders than the CPU's (and than each
-        # other), and Adam's first steps magnify it in near-zero gradient elements
-        loss_tol, ds_tol, one_tol = (2e-5, 1e-5, 1e-4) if dist_worker.DEVICE.type == "cpu" else (1e-4, 1e-4, 1e-3)
+        # float32 round-off: on a GPU the Triton kernels sum in other orders than cuBLAS
+        loss_tol, ds_tol, one_tol = (2e-5, 1e-5, 1e-4) if dist_worker.DEVICE.type == "cpu" else (1e-4, 1e-4, None)
         worst = {"loss vs PEFT under DeepSpeed": 0.0, "loss vs PEFT in one process": 0.0}
         for step in range(steps):
             for name, want in (("PEFT under DeepSpeed", peft_losses[step]), ("PEFT in one process", ref_losses[step])):
