@@ -81,7 +81,7 @@ def whole(engine_module) -> dict[str, torch.Tensor]:
 
 class _Rows(torch.utils.data.Dataset):
     def __init__(self, data):
-        self.rows = [row for ids in data for row in ids]
+        self.rows = [row.cpu() for ids in data for row in ids]  # (the Trainer's DataLoader pins them, then moves them)
 
     def __len__(self):
         return len(self.rows)

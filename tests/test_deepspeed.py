@@ -162,3 +162,26 @@ def test_zero3_conv1d_base_runs_peft_forward(monkeypatch):
         got = model(input_ids=ids).logits
     assert rel_err(got, want) < 1e-5
     assert flashdora.stats() == {"peft_fallback:deepspeed_zero3:fan_in_fan_out": 1}
+
+
+def test_zero3_layers_never_take_the_cpp_route(monkeypatch):
+    """Where the C++ route would run (``compose_impl`` says ``native``), a gathered ZeRO-3 layer takes the Python
+    Triton route (``triton``) instead: its norm is computed again at every gather, the checkpoint's recomputation
+    included, and launch plans filed between a forward and its recomputation could move the recomputation to the C++
+    node, which saves other tensors (a CheckpointError on a GPU). Checked on the route each layer records."""
+    from flashdora import config, dispatch
+    from flashdora.ops import compose
+
+    monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [True])
+    monkeypatch.setattr(dispatch, "compose_impl", lambda *args: "native")
+    ran = []
+    monkeypatch.setattr(compose, "compose_eager", lambda *args: ran.append(args[-1]) or args[0])  # (impl: last)
+    model = llama(dropout=0.0)
+    flashdora.enable(model)
+    tagged = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
+    for i, p in enumerate(tagged):
+        p.ds_id, p.ds_status, p.ds_numel = i, _Available(), p.numel()
+    with torch.no_grad():
+        model(input_ids=make_ids(model.config.vocab_size))
+    routes = {r.compose for m in model.modules() for r in m.__dict__.get("_flashdora_routes", {}).values()}
+    assert routes == {"triton"} and set(ran) == {"triton"} and len(ran) == len(tagged), (routes, ran)

@@ -133,6 +133,12 @@ def layer_route(
     else:
         quantized = base_kind != "module"
         compose = compose_impl(result, bias, has_lx_base)
+        if compose == "native" and "ds_id" in weight.__dict__:
+            # DeepSpeed ZeRO-3 (gathered: ``reason``): no C++ route. Every gather is a new buffer, so the norm is
+            # computed again in the checkpoint's recomputation, and C++ launch plans filed in between (the first
+            # steps after adoption) could move that call from the Python Triton node to the C++ one, which saves
+            # other tensors: the recomputation must save what the forward did. Measured on a GPU: CheckpointError.
+            compose = "triton"
         route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose), base_kind)
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
