@@ -82,11 +82,24 @@ def module(wait: bool = True):
     return _adopted
 
 
+_at_quiet: list = []  # launch-plan filings waiting for the next quiet point (``when_quiet``)
+
+
+def when_quiet(fn) -> None:
+    """Run ``fn`` at the next quiet point (``adopt``). A backward kernel's plan decides which node a call hangs (the
+    C++ node, or the Python path's), and that kernel compiles in the middle of a step, in the first backward of a
+    shape: a forward before it and its checkpoint recomputation after it must still hang the same node."""
+    _at_quiet.append(fn)
+
+
 def adopt() -> None:
-    """Start using a built extension (a quiet point: no forward of the process awaits its backward)."""
+    """Start using a built extension, and file the plans that waited (a quiet point: no forward of the process
+    awaits its backward)."""
     global _adopted
     if _adopted is None and _module is not None and enabled():
         _adopted = _module
+    while _at_quiet:
+        _at_quiet.pop(0)()
 
 
 def adopt_without_grad() -> None:

@@ -18,6 +18,8 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
     """The compose on the ``native`` route: the C++ forward (and, in training, its backward node), else
     ``python("native", ...)``, the Python Triton path (which may hang the C++ node on a Python-launched kernel:
     ``compose_with_node``), then the forward kernel's plan filed for the next call."""
+    if native._at_quiet and not torch.is_grad_enabled():  # a call without grad: a quiet point (``native.adopt``)
+        native.adopt()
     y = native._adopted.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
     if y is not None and y is not False:
         backend.count("triton")
@@ -33,7 +35,7 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
 def _file_forward_plan(result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base=None) -> None:
     """Give ``flashdora.native``'s forward the launch plan of the forward kernel a call like this one runs (in
     training, saving ``inner``), once the Python path has compiled it (a shape's first calls tune, then compile). The
-    backward kernel's plan is filed by ``compose_with_node``, the first forward after that kernel compiled."""
+    backward kernel's plan is filed by ``compose_with_node`` at the first quiet point after that kernel compiled."""
     kc = compose_fn._kc or compose_fn._import_kernels()
     train = torch.is_grad_enabled() and magnitude.requires_grad
     device_type = result.device.type
@@ -51,7 +53,7 @@ def _file_forward_plan(result, lora_A, lora_B, magnitude, scales, scaling, bias,
 def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base=None):
     """``ComposeFunction``'s Triton path with its backward as ``flashdora.native``'s C++ node (the route is
     ``native``: the extension is adopted, the bias rule holds), or ``None`` while the backward kernel is not compiled
-    yet (the Python path's first backward compiles it)."""
+    yet (the Python path's first backward compiles it) or its plan not yet filed (at the next quiet point)."""
     mod = native._adopted
     kc = compose_fn._kc or compose_fn._import_kernels()
     n = result.shape[-1]
@@ -59,13 +61,34 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
     plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
     if plan is None:
         return None
-    mod.register_backward(result, scales, *plan, has_lx_base=has_lx)  # (the C++ forward takes the next call)
+    if id(plan) not in _published:  # compiled in this step's backward: used from the next quiet point on
+        if id(plan) not in _queued:
+            _queued.add(id(plan))
+            native.when_quiet(_publisher(mod, plan, result, scales, has_lx))
+        return None
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)
     y, inner = kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=True)
     mod.attach(y, result, a, lora_B, magnitude, inner, scales, float(scaling), *plan, lx_base=lx_base)
     return y
+
+
+_published: dict[int, tuple] = {}  # the backward plans ``compose_with_node`` uses, by id (kept alive here)
+_queued: set[int] = set()
+
+
+def _publisher(mod, plan, result, scales, has_lx):
+    """The filing of a backward ``plan`` for ``native.when_quiet``: then the C++ forward and ``compose_with_node``
+    both hang the C++ node on calls like this one. (``result``: a stand-in of its shape, device and dtype.)"""
+    n = result.shape[-1]
+    like = result.new_empty(1).expand(result.numel() // n, n)
+
+    def publish():
+        mod.register_backward(like, scales, *plan, has_lx_base=has_lx)
+        _published[id(plan)] = plan
+
+    return publish
 
 
 def norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python):

@@ -226,7 +226,8 @@ def test_cpu_forward_is_left_to_the_python_path(ext):
 @pytest.mark.gpu
 def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, monkeypatch):
     """Forwards with grad before any backward (the backward kernel not compiled yet) run the Python path without
-    giving the shape up; the first forward after a backward files the backward's plan, and the next runs in C++."""
+    giving the shape up; the backward's plan is filed at the first quiet point after it compiled, and the next forward
+    runs in C++."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(native, "_adopted", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
@@ -242,6 +243,7 @@ def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, mon
     for _ in range(3):
         forward().backward(dy)
     forward()
+    native.adopt()  # a quiet point (an optimizer step): the backward's plan, waiting since it compiled, is filed
     calls = _cpp_forward_calls(monkeypatch)
     y = forward()
     assert calls == [] and y.grad_fn.name() == "FlashDoraComposeBackward"
@@ -283,8 +285,9 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
             seq = C.after_base()
             return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
 
-    for _ in range(3):  # files both plans
+    for _ in range(3):  # compiles both kernels; the quiet point files the backward's plan
         torch.autograd.grad(f(x), inputs, dy)
+    native.adopt()
     want = torch.autograd.grad(f(x), inputs, dy)
     switching = _Switching(ext, lambda n: (n == 1) == (first == "python"))
     monkeypatch.setattr(native, "_adopted", switching)
@@ -317,3 +320,42 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     order = backward_order(y)
     assert set(order[:-1]) == {"base"} and order[-1] == "a"
     assert backward_order(forward(False))[0] == "a"
+
+
+def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
+    """The backward kernel compiles in the middle of a step (the first backward of a shape). A forward before that
+    hangs the Python path's node; its checkpoint recomputation comes after, and must hang the same node (it saves
+    other tensors than the C++ one: a CheckpointError). So a plan found mid-step is filed at the next quiet point
+    (``native.adopt``: an optimizer step, a call without grad), and ``compose_with_node`` uses it only from then on.
+    (The extension and the kernels stand in here: CPU.)"""
+    import types
+
+    from flashdora import native_bridge
+    from flashdora.ops import compose_fn
+
+    plan = (1, 4, 0, 64, 1, 1, "types", [])
+    log = []
+    fake = types.SimpleNamespace(
+        register_backward=lambda *args, **kwargs: log.append("filed"),
+        attach=lambda *args, **kwargs: log.append("attached"),
+    )
+    kernels = types.SimpleNamespace(
+        bwd_plan=lambda *args: plan, compose_fwd_fused=lambda result, *args, **kwargs: (result + 1, result + 2)
+    )
+    monkeypatch.setattr(compose_fn, "_kc", kernels)
+    monkeypatch.setattr(native, "_adopted", fake)
+    monkeypatch.setattr(native, "_at_quiet", [])
+    monkeypatch.setattr(native_bridge, "_published", {})
+    monkeypatch.setattr(native_bridge, "_queued", set())
+    result, a = torch.randn(2, 3, 8), torch.randn(2, 3, 4)
+    lora_B, magnitude, scales = torch.randn(8, 4), torch.ones(8, requires_grad=True), torch.ones(3, 8)
+
+    def call():
+        return native_bridge.compose_with_node(result, a, None, lora_B, scales, 1.0, magnitude, torch.float32)
+
+    assert call() is None and call() is None  # the forward and its recomputation: the Python path's node both
+    assert log == [] and len(native._at_quiet) == 1  # one filing waits
+    native.adopt()
+    assert log == ["filed"] and native._at_quiet == []
+    y = call()
+    assert log == ["filed", "attached"] and torch.equal(y, result + 1)
