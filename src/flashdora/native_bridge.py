@@ -61,11 +61,15 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
     plan = kc.bwd_plan(result.numel() // n if n else 0, n, result.dtype, scales, has_lx)
     if plan is None:
         return None
-    if id(plan) not in _published:  # compiled in this step's backward: used from the next quiet point on
-        if id(plan) not in _queued:
-            _queued.add(id(plan))
-            native.when_quiet(_publisher(mod, plan, result, scales, has_lx))
+    function = plan[0]
+    if function not in _published:  # compiled in this step's backward: used from the next quiet point on
+        if function not in _queued:
+            _queued.add(function)
+            native.when_quiet(lambda: _published.add(function))
         return None
+    if id(plan) not in _filed:  # (mid-step is fine: the C++ forward then hangs the same node as this path)
+        _filed[id(plan)] = plan
+        mod.register_backward(result, scales, *plan, has_lx_base=has_lx)
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)
@@ -74,21 +78,9 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
     return y
 
 
-_published: dict[int, tuple] = {}  # the backward plans ``compose_with_node`` uses, by id (kept alive here)
-_queued: set[int] = set()
-
-
-def _publisher(mod, plan, result, scales, has_lx):
-    """The filing of a backward ``plan`` for ``native.when_quiet``: then the C++ forward and ``compose_with_node``
-    both hang the C++ node on calls like this one. (``result``: a stand-in of its shape, device and dtype.)"""
-    n = result.shape[-1]
-    like = result.new_empty(1).expand(result.numel() // n, n)
-
-    def publish():
-        mod.register_backward(like, scales, *plan, has_lx_base=has_lx)
-        _published[id(plan)] = plan
-
-    return publish
+_published: set[int] = set()  # backward kernels (their CUfunction) compiled before the last quiet point
+_queued: set[int] = set()  # kernels compiled since, waiting for the next quiet point
+_filed: dict[int, tuple] = {}  # the backward plans filed with the extension, by id (kept alive here)
 
 
 def norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python):

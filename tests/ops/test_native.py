@@ -323,11 +323,11 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
 
 
 def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
-    """The backward kernel compiles in the middle of a step (the first backward of a shape). A forward before that
+    """A backward kernel compiles in the middle of a step (the first backward of a shape). A forward before that
     hangs the Python path's node; its checkpoint recomputation comes after, and must hang the same node (it saves
     other tensors than the C++ one: a CheckpointError). So a plan found mid-step is filed at the next quiet point
-    (``native.adopt``: an optimizer step, a call without grad), and ``compose_with_node`` uses it only from then on.
-    (The extension and the kernels stand in here: CPU.)"""
+    (``native.adopt``: an optimizer step, a call without grad), and ``compose_with_node`` uses that kernel's plans
+    only from then on. (The extension and the kernels stand in here: CPU.)"""
     import types
 
     from flashdora import native_bridge
@@ -345,8 +345,9 @@ def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
     monkeypatch.setattr(compose_fn, "_kc", kernels)
     monkeypatch.setattr(native, "_adopted", fake)
     monkeypatch.setattr(native, "_at_quiet", [])
-    monkeypatch.setattr(native_bridge, "_published", {})
+    monkeypatch.setattr(native_bridge, "_published", set())
     monkeypatch.setattr(native_bridge, "_queued", set())
+    monkeypatch.setattr(native_bridge, "_filed", {})
     result, a = torch.randn(2, 3, 8), torch.randn(2, 3, 4)
     lora_B, magnitude, scales = torch.randn(8, 4), torch.ones(8, requires_grad=True), torch.ones(3, 8)
 
@@ -354,8 +355,13 @@ def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
         return native_bridge.compose_with_node(result, a, None, lora_B, scales, 1.0, magnitude, torch.float32)
 
     assert call() is None and call() is None  # the forward and its recomputation: the Python path's node both
-    assert log == [] and len(native._at_quiet) == 1  # one filing waits
+    assert log == [] and len(native._at_quiet) == 1  # the kernel waits for a quiet point
     native.adopt()
-    assert log == ["filed"] and native._at_quiet == []
+    assert log == [] and native._at_quiet == []
     y = call()
     assert log == ["filed", "attached"] and torch.equal(y, result + 1)
+    call()  # a plan of a kernel compiled before the quiet point: at once (another token count: another plan)
+    other = (1, 4, 0, 64, 1, 2, "types", [])
+    kernels.bwd_plan = lambda *args: other
+    call()
+    assert log == ["filed", "attached", "attached", "filed", "attached"] and native._at_quiet == []
