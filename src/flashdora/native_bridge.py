@@ -67,9 +67,10 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
             _queued.add(function)
             native.when_quiet(lambda: _published.add(function))
         return None
-    if id(plan) not in _filed:  # (mid-step is fine: the C++ forward then hangs the same node as this path)
+    if id(plan) not in _filed:  # the C++ forward takes calls like this one from the next quiet point on
         _filed[id(plan)] = plan
-        mod.register_backward(result, scales, *plan, has_lx_base=has_lx)
+        like = result.new_empty(1).expand(result.numel() // n, n)  # (its shape, dtype and device: the key)
+        native.when_quiet(lambda: mod.register_backward(like, scales, *plan, has_lx_base=has_lx))
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)
@@ -80,7 +81,7 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
 
 _published: set[int] = set()  # backward kernels (their CUfunction) compiled before the last quiet point
 _queued: set[int] = set()  # kernels compiled since, waiting for the next quiet point
-_filed: dict[int, tuple] = {}  # the backward plans filed with the extension, by id (kept alive here)
+_filed: dict[int, tuple] = {}  # the backward plans given to the extension (at a quiet point), by id (kept alive)
 
 
 def norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python):

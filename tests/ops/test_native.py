@@ -124,6 +124,8 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     assert "FlashDoraComposeBackward" not in name
     monkeypatch.setattr(native, "_adopted", ext)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    run()  # the kernel, compiled since the last quiet point, waits for the next: the Python path's node
+    native.adopt()  # a quiet point (an optimizer step)
     name, y_nat, g_nat = run()
     assert name == "FlashDoraComposeBackward"
     torch.testing.assert_close(y_nat, y_py, rtol=0, atol=0)
@@ -243,7 +245,9 @@ def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, mon
     for _ in range(3):
         forward().backward(dy)
     forward()
-    native.adopt()  # a quiet point (an optimizer step): the backward's plan, waiting since it compiled, is filed
+    native.adopt()  # a quiet point (an optimizer step): the backward kernel, compiled since the last, is the node's
+    forward()  # the C++ node (hung by the Python path); its plan goes to the C++ forward at the next quiet point
+    native.adopt()
     calls = _cpp_forward_calls(monkeypatch)
     y = forward()
     assert calls == [] and y.grad_fn.name() == "FlashDoraComposeBackward"
@@ -285,8 +289,10 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
             seq = C.after_base()
             return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
 
-    for _ in range(3):  # compiles both kernels; the quiet point files the backward's plan
+    for _ in range(3):  # compiles both kernels; quiet points then give the backward's to the node and the C++ forward
         torch.autograd.grad(f(x), inputs, dy)
+    native.adopt()
+    torch.autograd.grad(f(x), inputs, dy)
     native.adopt()
     want = torch.autograd.grad(f(x), inputs, dy)
     switching = _Switching(ext, lambda n: (n == 1) == (first == "python"))
@@ -358,10 +364,11 @@ def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
     assert log == [] and len(native._at_quiet) == 1  # the kernel waits for a quiet point
     native.adopt()
     assert log == [] and native._at_quiet == []
-    y = call()
-    assert log == ["filed", "attached"] and torch.equal(y, result + 1)
-    call()  # a plan of a kernel compiled before the quiet point: at once (another token count: another plan)
-    other = (1, 4, 0, 64, 1, 2, "types", [])
+    y = call()  # the C++ node at once; the plan goes to the C++ forward at the next quiet point
+    assert log == ["attached"] and torch.equal(y, result + 1) and len(native._at_quiet) == 1
+    other = (1, 4, 0, 64, 1, 2, "types", [])  # another token count, the same kernel: its node at once too
     kernels.bwd_plan = lambda *args: other
     call()
-    assert log == ["filed", "attached", "attached", "filed", "attached"] and native._at_quiet == []
+    assert log == ["attached", "attached"] and len(native._at_quiet) == 2
+    native.adopt()
+    assert log == ["attached", "attached", "filed", "filed"] and native._at_quiet == []
