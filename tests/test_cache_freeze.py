@@ -172,15 +172,11 @@ class MasterCopyAdamW:
                 p.data.copy_(master)
 
 
-def test_a_trainable_base_stepped_through_a_master_copy_is_never_stale(monkeypatch):
-    """A base weight trained through an optimizer that steps copies of the parameters (DeepSpeed ZeRO-1/2 does):
-    what the step wrote reaches the next forward, since any step may have written a weight that requires a gradient."""
-    model = _model()
-    bases = _bases(model)
-    _set_trainable(bases, True)
-    opt = MasterCopyAdamW([p for p in model.parameters() if p.requires_grad])
+def _steps_behind_the_version_counter(model, bases, opt, monkeypatch, seed: int) -> None:
+    """Two training steps through ``opt``, each writing every base weight behind its version counter, each followed
+    by ``_check``."""
     for step in range(2):
-        ids = _ids(20 + step)
+        ids = _ids(seed + step)
         before = [(p.detach().clone(), p._version) for p in bases]
         _forward(model, ids, backward=True)
         opt.step()
@@ -188,6 +184,16 @@ def test_a_trainable_base_stepped_through_a_master_copy_is_never_stale(monkeypat
         for p, (values, version) in zip(bases, before):
             assert not torch.equal(p, values) and p._version == version  # written behind the version counter
         _check(model, ids, monkeypatch, f"step {step}")
+
+
+def test_a_trainable_base_stepped_through_a_master_copy_is_never_stale(monkeypatch):
+    """A base weight trained through an optimizer that steps copies of the parameters (DeepSpeed ZeRO-1/2 does):
+    what the step wrote reaches the next forward, since any step may have written a weight that requires a gradient."""
+    model = _model()
+    bases = _bases(model)
+    _set_trainable(bases, True)
+    opt = MasterCopyAdamW([p for p in model.parameters() if p.requires_grad])
+    _steps_behind_the_version_counter(model, bases, opt, monkeypatch, seed=20)
 
 
 def test_a_base_frozen_after_a_wrapper_took_it_is_never_stale(monkeypatch):
@@ -202,12 +208,4 @@ def test_a_base_frozen_after_a_wrapper_took_it_is_never_stale(monkeypatch):
     _set_trainable(bases, False)
     for group in opt.inner.param_groups:
         group["weight_decay"] = 2.0
-    for step in range(2):
-        ids = _ids(30 + step)
-        before = [(p.detach().clone(), p._version) for p in bases]
-        _forward(model, ids, backward=True)
-        opt.step()
-        model.zero_grad()
-        for p, (values, version) in zip(bases, before):
-            assert not torch.equal(p, values) and p._version == version  # written behind the version counter
-        _check(model, ids, monkeypatch, f"step {step}")
+    _steps_behind_the_version_counter(model, bases, opt, monkeypatch, seed=30)

@@ -68,10 +68,14 @@ def test_deepspeed_trains_like_peft_on_two_gpus():
     assert all(f"OK {case}\n" in out for case in CASES), out
 
 
-def test_zero3_parameters_run_peft_forward():
-    """A layer whose parameters carry DeepSpeed's ZeRO-3 tag (``ds_id``, set on every parameter it partitions) but
-    not its ``ds_status`` AVAILABLE runs PEFT's forward with its own counted reason, even with no hook in sight:
-    outside its gathers such a parameter is empty. (Tagged by hand here, whole: the same output as PEFT's own.)"""
+class _Available:  # DeepSpeed's ``ZeroParamStatus.AVAILABLE``, as ``_gathered`` reads it (by name)
+    name = "AVAILABLE"
+
+
+def _tagged_llama(gathered: bool):
+    """``(model, ids, PEFT's logits, tagged)``: the tiny Llama enabled after PEFT's logits were taken, each base weight
+    of its DoRA layers tagged as DeepSpeed ZeRO-3 tags a parameter (``ds_id``; ``gathered``: also ``ds_status``
+    AVAILABLE and ``ds_numel``, as while gathered)."""
     model = llama(dropout=0.0)
     ids = make_ids(model.config.vocab_size)
     with torch.no_grad():
@@ -80,6 +84,16 @@ def test_zero3_parameters_run_peft_forward():
     tagged = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
     for i, p in enumerate(tagged):
         p.ds_id = i
+        if gathered:
+            p.ds_status, p.ds_numel = _Available(), p.numel()
+    return model, ids, want, tagged
+
+
+def test_zero3_parameters_run_peft_forward():
+    """A layer whose parameters carry DeepSpeed's ZeRO-3 tag (``ds_id``, set on every parameter it partitions) but
+    not its ``ds_status`` AVAILABLE runs PEFT's forward with its own counted reason, even with no hook in sight:
+    outside its gathers such a parameter is empty. (Tagged by hand here, whole: the same output as PEFT's own.)"""
+    model, ids, want, tagged = _tagged_llama(gathered=False)
     flashdora.reset_stats()
     backend._warned.discard("fallback:deepspeed_zero3")
     with pytest.warns(UserWarning, match="deepspeed_zero3"):
@@ -96,10 +110,6 @@ def test_zero3_parameters_run_peft_forward():
     assert not any(k.startswith("peft_fallback") for k in flashdora.stats())  # untagged: flashdora's path again
 
 
-class _Available:  # DeepSpeed's ``ZeroParamStatus.AVAILABLE``, as ``_gathered`` reads it (by name)
-    name = "AVAILABLE"
-
-
 @pytest.mark.parametrize("tested", [True, False], ids=["tested", "untested"])
 def test_gathered_zero3_parameters_take_flashdoras_route_only_on_a_tested_deepspeed(monkeypatch, tested):
     """Parameters tagged as DeepSpeed tags them while gathered (``ds_id``, ``ds_status`` AVAILABLE, whole) run
@@ -109,14 +119,7 @@ def test_gathered_zero3_parameters_take_flashdoras_route_only_on_a_tested_deepsp
     from flashdora import config
 
     monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [tested])
-    model = llama(dropout=0.0)
-    ids = make_ids(model.config.vocab_size)
-    with torch.no_grad():
-        want = model(input_ids=ids).logits
-    flashdora.enable(model)
-    tagged = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
-    for i, p in enumerate(tagged):
-        p.ds_id, p.ds_status, p.ds_numel = i, _Available(), p.numel()
+    model, ids, want, tagged = _tagged_llama(gathered=True)
     flashdora.reset_stats()
     backend._warned.discard("fallback:deepspeed_zero3")
     with warnings.catch_warnings(record=True) as caught:
@@ -174,14 +177,10 @@ def test_zero3_layers_never_take_the_cpp_route(monkeypatch):
 
     monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [True])
     monkeypatch.setattr(dispatch, "compose_impl", lambda *args: "native")
+    model, ids, _, tagged = _tagged_llama(gathered=True)
     ran = []
     monkeypatch.setattr(compose, "compose_eager", lambda *args: ran.append(args[-1]) or args[0])  # (impl: last)
-    model = llama(dropout=0.0)
-    flashdora.enable(model)
-    tagged = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
-    for i, p in enumerate(tagged):
-        p.ds_id, p.ds_status, p.ds_numel = i, _Available(), p.numel()
     with torch.no_grad():
-        model(input_ids=make_ids(model.config.vocab_size))
+        model(input_ids=ids)
     routes = {r.compose for m in model.modules() for r in m.__dict__.get("_flashdora_routes", {}).values()}
     assert routes == {"triton"} and set(ran) == {"triton"} and len(ran) == len(tagged), (routes, ran)
