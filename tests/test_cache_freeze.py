@@ -209,3 +209,30 @@ def test_a_base_frozen_after_a_wrapper_took_it_is_never_stale(monkeypatch):
     for group in opt.inner.param_groups:
         group["weight_decay"] = 2.0
     _steps_behind_the_version_counter(model, bases, opt, monkeypatch, seed=30)
+
+
+def test_a_compiled_lookup_reads_the_base_weights_own_flags():
+    """Under ``torch.compile`` the cache gets a detached alias of the base weight (``dora_scales_op``), without the
+    ``requires_grad`` and gradient hooks that say which steps may write it: it reads them on the layer's own weight.
+    A base frozen after an optimizer wrapper took it, written behind its version counter, then any step: the next
+    compiled lookup computes ``||W||^2`` again and gives the fresh scales."""
+    model = _model()
+    layer = next(m for m in model.modules() if hasattr(m, "lora_magnitude_vector"))
+    owner, base = layer.lora_magnitude_vector["default"], layer.get_base_layer().weight
+    base.requires_grad_(True)
+    base.register_post_accumulate_grad_hook(lambda p: None)  # as DeepSpeed's ZeRO optimizers do
+    base.requires_grad_(False)
+    parts = (layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach(), owner.weight.detach())
+    scaling = layer.scaling["default"]
+
+    def compiled_lookup():
+        return norm_cache.dora_scales_op(base.detach(), *parts, scaling, owner._flashdora_cache_id)
+
+    compiled_lookup()
+    with torch.no_grad():
+        base.data.mul_(0.5)  # the wrapper's write-back: no version bump, no stamp
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()  # a step of any optimizer
+    flashdora.reset_stats()
+    got = compiled_lookup()
+    assert flashdora.stats().get("norm:base_sq") == 1
+    torch.testing.assert_close(got, norm_cache._uncached(base.detach(), *parts, scaling), rtol=1e-6, atol=1e-6)

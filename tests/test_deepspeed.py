@@ -184,3 +184,26 @@ def test_zero3_layers_never_take_the_cpp_route(monkeypatch):
         model(input_ids=ids)
     routes = {r.compose for m in model.modules() for r in m.__dict__.get("_flashdora_routes", {}).values()}
     assert routes == {"triton"} and set(ran) == {"triton"} and len(ran) == len(tagged), (routes, ran)
+
+
+def _deepspeeds_hook(module, args):  # named below as DeepSpeed ZeRO-3's own module hooks are
+    return None
+
+
+_deepspeeds_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+_deepspeeds_hook.__qualname__ = "DeepSpeedZeRoOffload._register_deepspeed_module.<locals>._pre_forward_module_hook"
+
+
+def test_zero3_hooks_are_not_taken_for_deepspeeds_while_compiling(monkeypatch):
+    """``zero3_hooks_only`` recognises ZeRO-3's module hooks (by their names, on a tested DeepSpeed) in eager calls
+    only: while compiling, DeepSpeed gathers nothing a layer reads, and ``reason`` cannot look at the parameters, so
+    the hooks count as a user's (PEFT's forward calls the modules)."""
+    from flashdora import config
+    from flashdora.peft.support import hooked, zero3_hooks_only
+
+    monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [True])
+    module = torch.nn.Linear(4, 4)
+    module.register_forward_pre_hook(_deepspeeds_hook)
+    assert zero3_hooks_only(module) and hooked(module) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not zero3_hooks_only(module) and hooked(module) == "Linear"

@@ -58,8 +58,9 @@ def module(wait: bool = True):
 
     A build that ends mid-step is not used until ``adopt`` runs at a quiet point: a checkpointed forward and its
     recomputation must take the same route (the C++ path and bitsandbytes' shortcut it enables save other tensors
-    than the layer's own calls). Quiet points: an optimizer step (``torch.optim``'s step post hook), a layer call
-    without grad (inference; reentrant checkpointing's first forward, which saves nothing), and ``module(wait=True)``.
+    than the layer's own calls). Quiet points: an optimizer step outside a backward (``torch.optim``'s step post hook),
+    a layer call without grad while no forward with grad awaits its backward (inference; reentrant checkpointing's
+    first forward, which saves nothing), and ``module(wait=True)``.
     """
     global _state, _thread
     if _state == "idle" and enabled():
@@ -83,6 +84,7 @@ def module(wait: bool = True):
 
 
 _at_quiet: list = []  # launch-plan filings waiting for the next quiet point (``when_quiet``)
+_busy = False  # a compose ran with grad since the last optimizer step: its backward (or recomputation) may be ahead
 
 
 def when_quiet(fn) -> None:
@@ -103,9 +105,27 @@ def adopt() -> None:
 
 
 def adopt_without_grad() -> None:
-    """``adopt`` from a layer call: only where grad is off (such a call records nothing for a backward)."""
-    if _adopted is None and _module is not None and not torch.is_grad_enabled():
+    """``adopt`` from a layer call without grad (it records nothing for a backward), unless a forward with grad ran
+    since the last optimizer step: its backward, and its checkpoint recomputation, may still come (an evaluation or
+    a reference model's forward in the middle of a training step)."""
+    if not _busy and not torch.is_grad_enabled() and (_at_quiet or (_adopted is None and _module is not None)):
         adopt()
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    """A ``torch.optim`` step outside any backward: every forward before it has had its backward (a step taken inside
+    a backward, an optimizer step in the backward, is no quiet point: a recomputation may follow)."""
+    global _busy
+    if _graph_task() != -1:
+        return
+    _busy = False
+    adopt()
+
+
+def _graph_task() -> int:
+    """The running backward's id (-1: none). Private (``torch._C``): without it, every step counts as in one."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task() if task is not None and config.private else 0
 
 
 _step_hook = None
@@ -116,7 +136,7 @@ def _watch_steps() -> None:
     if _step_hook is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _step_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: adopt())
+        _step_hook = register_optimizer_step_post_hook(_after_step)
 
 
 EXIT_WAIT_S = 600.0

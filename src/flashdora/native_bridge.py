@@ -18,8 +18,8 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
     """The compose on the ``native`` route: the C++ forward (and, in training, its backward node), else
     ``python("native", ...)``, the Python Triton path (which may hang the C++ node on a Python-launched kernel:
     ``compose_with_node``), then the forward kernel's plan filed for the next call."""
-    if native._at_quiet and not torch.is_grad_enabled():  # a call without grad: a quiet point (``native.adopt``)
-        native.adopt()
+    if native._at_quiet and not torch.is_grad_enabled():  # maybe a quiet point (``native.adopt_without_grad``)
+        native.adopt_without_grad()
     y = native._adopted.forward(result, lx, lora_A, lora_B, magnitude, scales, bias, float(scaling), seq, lx_base)
     if y is not None and y is not False:
         backend.count("triton")
@@ -69,8 +69,10 @@ def compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, l
         return None
     if id(plan) not in _filed:  # the C++ forward takes calls like this one from the next quiet point on
         _filed[id(plan)] = plan
-        like = result.new_empty(1).expand(result.numel() // n, n)  # (its shape, dtype and device: the key)
-        native.when_quiet(lambda: mod.register_backward(like, scales, *plan, has_lx_base=has_lx))
+        # (stand-ins of what the key reads: the result's shape, dtype and device, the scales' dtype and row stride)
+        like = result.new_empty(1).expand(result.numel() // n, n)
+        like_scales = scales.new_empty(1).as_strided((1, 1), (scales.stride(0), 1))
+        native.when_quiet(lambda: mod.register_backward(like, like_scales, *plan, has_lx_base=has_lx))
     backend.count("triton")
     backend.count("native")
     b = lora_B if lora_B.numel() < compose_fn._CAST_B_FIRST else _cast(lora_B, cd)

@@ -372,3 +372,39 @@ def test_a_backward_plan_is_used_from_the_next_quiet_point_on(monkeypatch):
     assert log == ["attached", "attached"] and len(native._at_quiet) == 2
     native.adopt()
     assert log == ["attached", "attached", "filed", "filed"] and native._at_quiet == []
+
+
+def test_no_quiet_point_while_a_backward_may_be_ahead(monkeypatch):
+    """A filing waits while a forward with grad may still have its backward or checkpoint recomputation ahead: a
+    call without grad after it (an evaluation, a reference model's forward in a training step) is no quiet point,
+    nor is an optimizer step taken inside a backward (an optimizer step in the backward); the next step outside a
+    backward is one. (CPU: the compose marks the forward; the queue holds a stand-in filing.)"""
+    ran = []
+    monkeypatch.setattr(native, "_at_quiet", [lambda: ran.append(1)])
+    monkeypatch.setattr(native, "_busy", False)
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.float32, torch.float32, 3, 8, 16, 2)
+    scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
+    C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0)  # with grad: its backward is ahead
+    assert native._busy
+    with torch.no_grad():
+        native.adopt_without_grad()
+    assert ran == [] and len(native._at_quiet) == 1
+
+    class StepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            native._after_step(None, (), {})
+            return g
+
+    StepInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert ran == [] and native._busy
+    native._after_step(None, (), {})
+    assert ran == [1] and native._at_quiet == [] and not native._busy
+    native.when_quiet(lambda: ran.append(2))
+    with torch.no_grad():  # after the step, a call without grad is a quiet point
+        native.adopt_without_grad()
+    assert ran == [1, 2]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdora import backend, config, dispatch, native_bridge
+from flashdora import backend, config, dispatch, native, native_bridge
 from flashdora.ops import compose_grad2
 from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and tests name them here
     DOUBLE_BACKWARD,
@@ -87,6 +87,8 @@ def compose_eager(
     the call that finds none runs the Triton path below and files them. ``seq``: see ``after_base``."""
     if impl is None:
         impl = dispatch.compose_impl(result, bias, lx_base is not None)
+    if torch.is_grad_enabled():
+        native._busy = True  # its backward may be ahead: no quiet point until the next optimizer step
     args = (result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if impl == "native":
         return native_bridge.compose(*args, python=_compose_python)

@@ -127,8 +127,7 @@ def _last_step(t) -> int:
     ``deepspeed.initialize``. Such a parameter is marked by the gradient hook the wrapper registers on it
     (``register_post_accumulate_grad_hook``, kept until the wrapper is destroyed). So a tensor that requires a
     gradient, carries such a hook, or once required a gradient as a ZeRO-3 parameter, may have been written by the
-    last step of any optimizer. A ZeRO-3 parameter's gathered storage is new at every gather: it holds no stamp.
-    Without ``config.private`` (the hook list is a private attribute), every parameter counts as stepped."""
+    last step of any optimizer. A ZeRO-3 parameter's gathered storage is new at every gather: it holds no stamp."""
     p = _zero3_param(t)
     if p is not None:
         if p.requires_grad:
@@ -142,10 +141,13 @@ def _last_step(t) -> int:
     return max(getattr(storage, "_flashdora_step", 0), _unstamped)
 
 
+_HOOKS_READABLE = hasattr(torch.Tensor, "_post_accumulate_grad_hooks")  # (private; in every torch since 2.1)
+
+
 def _wrapper_held(p) -> bool:
     """Whether ``p`` carries a post-accumulate-grad hook (``_last_step``): an optimizer wrapper's, such as DeepSpeed
-    ZeRO's, or an optimizer step in the backward. Without ``config.private``: always."""
-    return not config.private or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+    ZeRO's, or an optimizer step in the backward. Where torch keeps them elsewhere: always."""
+    return not _HOOKS_READABLE or bool(p._post_accumulate_grad_hooks)
 
 
 def _key(t) -> tuple | None:
@@ -241,6 +243,12 @@ class NormCache:
         return cls.lookup_owner(weight, lora_A, lora_B, magnitude, scaling, owner, compiled=True, impl=impl)
 
     @classmethod
+    def register_layer(cls, owner, layer) -> None:
+        """Tell ``owner``'s entries their LoRA layer: a compiled call hands the cache a detached alias of the base
+        weight, without the ``requires_grad`` and hooks that say which steps may write it (``_last_step``)."""
+        owner.__dict__["_flashdora_layer"] = _LayerRef(layer)
+
+    @classmethod
     def lookup_owner(
         cls, weight, lora_A, lora_B, magnitude, scaling: float, owner,
         quantized=None, dtype=None, compiled=False, impl=None,
@@ -280,7 +288,8 @@ class NormCache:
         grad = torch.is_grad_enabled()
         _set_grad_enabled(False)
         try:
-            args = (cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
+            stepped = _own_weight(owner, weight) if compiled else weight
+            args = (cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl, stepped)
             if torch.is_inference_mode_enabled():
                 with torch.inference_mode(False):
                     return _update(*args)
@@ -304,15 +313,47 @@ def _usable(cache) -> bool:
     return True
 
 
+class _LayerRef:
+    """A weak reference to an owner's LoRA layer. Copies and pickles of a model hold none (``enable`` gives them
+    theirs): a copy's owner belongs to another layer."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, layer=None):
+        self.ref = None if layer is None else weakref.ref(layer)
+
+    def __call__(self):
+        return None if self.ref is None else self.ref()
+
+    def __deepcopy__(self, memo):
+        return _LayerRef()
+
+    def __reduce__(self):
+        return _LayerRef, ()
+
+
+def _own_weight(owner, weight):
+    """The base layer's weight parameter that ``weight`` (a compiled call's detached alias) is, else ``None``."""
+    ref = owner.__dict__.get("_flashdora_layer")
+    layer = None if ref is None else ref()
+    own = None if layer is None else getattr(layer.get_base_layer(), "weight", None)
+    if own is None or own.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
+        return None
+    return own
+
+
 def _update(
-    cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None, impl="eager"
-) -> torch.Tensor:
+    cache, key, full_key, weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None, impl="eager",
+    stepped=None,
+) -> torch.Tensor:  # fmt: skip
+    """A miss: what changed, computed again. ``stepped``: the tensor whose last step (``_last_step``) keys
+    ``||W||^2`` (``None``: unknown, any step may have written W)."""
     if cache.get("norm_key") == key:  # only the magnitude moved
         backend.count("norm:cached")
         cache["scales"] = scales_on(magnitude, cache["norm"], impl != "eager")
     else:
         # ||W||^2 once per version of W: a frozen base's survives optimizer steps that did not touch it
-        w_key = (_base_sq_key(weight, key[0]), _events, _last_step(weight))
+        w_key = (_base_sq_key(weight, key[0]), _events, _steps if stepped is None else _last_step(stepped))
         new_sq = cache.get("w_sq_key") != w_key
         if quantized is not None:
             weight = dequantized(quantized, weight, dtype)  # the 16-bit weight the forward computes with, freed after

@@ -83,6 +83,7 @@ def _swap_variants(model: nn.Module, linear_cls: type, norm_cache: bool = True) 
         for owner in module.lora_magnitude_vector.values():
             NormCache.clear(owner)
             owner._flashdora_cache_id = NormCache.register(owner) if norm_cache else -1
+            NormCache.register_layer(owner, module)
         for adapter, held in list(module.lora_variant.items()):
             kind = type(held)
             if kind in (_PEFT_DORA, FlashDoraLinearVariant, PeftDoraLinearVariant):
