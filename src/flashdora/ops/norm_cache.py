@@ -171,12 +171,9 @@ def _key(t) -> tuple | None:
 
 
 def _zero3_param(t):
-    """The DeepSpeed ZeRO-3 parameter ``t`` is (or ``weight.T`` views), else ``None``: its ``ds_tensor`` is the
-    rank's partition, which outlives every gather."""
-    if "ds_tensor" in getattr(t, "__dict__", ()):
-        return t
-    base = t._base
-    return base if base is not None and "ds_tensor" in getattr(base, "__dict__", ()) else None
+    """``t`` if it is a DeepSpeed ZeRO-3 parameter, else ``None``: its ``ds_tensor`` is the rank's partition, which
+    outlives every gather. (No view of one gets here: a ``Conv1D`` base's ``weight.T`` runs PEFT's forward.)"""
+    return t if "ds_tensor" in getattr(t, "__dict__", ()) else None
 
 
 def _base_sq_key(weight, w_key) -> tuple:
