@@ -67,14 +67,14 @@ def backward_order(y: torch.Tensor) -> list[str]:
 
 
 def native_extension():
-    """flashdora's C++ extension, built (or loaded from torch's extension cache) now and not adopted (a test that
-    wants it in use sets ``native._adopted``); skips the test where it cannot be built."""
+    """flashdora's C++ extension, built (or loaded from torch's extension cache) now and not in use (a test that
+    wants it in use sets ``native.build._module``); skips the test where it cannot be built."""
     from flashdora import native
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FLASHDORA_NATIVE", "1")
         native.reset()
-        mod = native.module()
+        mod = native.load()
     native.reset()
     if mod is None:
         pytest.skip("the C++ extension cannot be built here (no compiler?)")

@@ -304,7 +304,7 @@ def test_cuda_takes_the_path_past_the_fused_kernels_cutoff_only(autocast, monkey
     runs (the layer's own call)."""
     from flashdora import native
 
-    assert native.module(wait=True) is not None
+    assert native.load() is not None
     model = bf16_model(device="cuda", peft_bnb=True)
     flashdora.enable(model)
     twin = copy.deepcopy(model)

@@ -2,7 +2,7 @@
 
 Gradient checkpointing (``use_reentrant=False``) checks that a recomputation saves the same tensors as the forward
 did; a route chosen afresh on each call from state that changes in between (a bitsandbytes layer's first call, the
-C++ extension becoming ready in the background) breaks that.
+C++ extension switched with ``configure`` between a forward and its backward) breaks that.
 """
 
 import copy
@@ -70,45 +70,49 @@ def test_first_step_of_a_fresh_qdora_model_under_checkpointing(kind, reentrant, 
 
 
 class _Built:
-    """A stand-in for the built extension (the adoption rules are what is tested)."""
+    """A stand-in for the loaded extension (the decision is what is tested)."""
 
 
-@pytest.fixture
-def built(monkeypatch):
-    native.reset()
-    monkeypatch.setattr(native, "_module", _Built())
-    monkeypatch.setattr(native, "_state", "ready")
-    yield native._module
-    native.reset()
+class _CudaLike:
+    is_cuda = True
 
 
-def test_a_build_that_ends_mid_step_waits_for_an_optimizer_step(built):
-    """A build that has ended is not used by a layer call with grad (a forward awaiting its backward may have run
-    the Python path); the next optimizer step adopts it."""
-    native._watch_steps()
-    assert native.module(wait=False) is None
-    assert not dispatch.native_ready()  # a call with grad: still the Python path
-    param = torch.nn.Parameter(torch.ones(2))
-    param.grad = torch.ones(2)
-    torch.optim.SGD([param], lr=0.1).step()
-    assert native.module(wait=False) is built and dispatch.native_ready() and native._adopted is built
+def test_native_is_decided_once_per_call_and_a_recomputation_keeps_its_forwards_answer(monkeypatch):
+    """``configure(native=...)`` between a forward and its backward: a call inside the backward (a checkpoint's
+    recomputation) takes the answer its layer's forward took; the next call outside a backward takes the new one."""
+    monkeypatch.setattr(native.build, "_module", _Built())
+    layer, x, seen = torch.nn.Linear(2, 2), _CudaLike(), []
+    assert dispatch.native_for(layer, x)
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(dispatch.native_for(layer, x))  # inside the backward
+            return g
+
+    t = torch.ones(2, requires_grad=True)
+    y = Recompute.apply(t)
+    with flashdora.config.override(native=False):
+        y.sum().backward()
+        assert seen == [True]
+        assert not dispatch.native_for(layer, x)  # outside a backward: the new setting
+        Recompute.apply(t).sum().backward()
+        assert seen == [True, False]  # latched anew
+    assert dispatch.native_for(layer, x)
 
 
-def test_a_call_without_grad_adopts_a_finished_build(built):
-    """Inference (and reentrant checkpointing's first forward) records nothing for a backward: a call without grad
-    adopts a finished build."""
-    with torch.no_grad():
-        assert dispatch.native_ready() and native._adopted is built
-    assert native.module(wait=False) is built
-
-
-def test_waiting_for_the_build_adopts_it(built):
-    assert native.module(wait=True) is built
-
-
-def test_switched_off_never_adopts(built, monkeypatch):
-    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
-    native.adopt()
-    with torch.no_grad():
-        native.adopt_without_grad()
-    assert native._adopted is None
+@pytest.mark.parametrize("trains", ["grad", "training-mode", "inference"])
+def test_only_a_call_that_trains_builds_the_extension(monkeypatch, trains):
+    """A training call (grad on; or the layer in training mode, as reentrant checkpointing's first forward runs
+    without grad) builds the extension where the cache lacks it; inference only loads a finished build."""
+    asked = []
+    monkeypatch.setattr(native.build, "_module", None)
+    monkeypatch.setattr(native.build, "load", lambda build=True: asked.append(build))
+    layer = torch.nn.Linear(2, 2).train(trains == "training-mode")
+    with torch.set_grad_enabled(trains == "grad"):
+        assert not dispatch.native_for(layer, _CudaLike())  # (the stand-in load gives nothing)
+    assert asked == [trains != "inference"]

@@ -258,7 +258,7 @@ def test_gpu_cpp_node_refuses_create_graph_and_the_opt_in_avoids_it(monkeypatch)
     from flashdora import native
 
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    if native.module(wait=True) is None:
+    if native.load() is None:
         pytest.skip("the C++ extension cannot be built here")
     model, twin = _peft_pair(torch.float32, False, 0.0, device="cuda")
     flashdora.enable(model)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import native, native_bridge
+from flashdora import native
+from flashdora.native import bridge as native_bridge
 from flashdora.peft import mixed as peft_mixed
 from tests.helpers import native_extension, rel_err
 from tests.mixed_models import NAMES, build, ids_for, mixed, per_adapter
@@ -19,11 +20,11 @@ def check(request, monkeypatch):
     """The kept pack's check in Python, or in C++ (the extension built and adopted); in C++, the test fails unless
     the C++ check ran."""
     if request.param == "python":
-        monkeypatch.setattr(native, "_adopted", None)
+        monkeypatch.setattr(native.build, "_module", None)
         yield request.param
         return
     mod = native_extension()
-    monkeypatch.setattr(native, "_adopted", mod)
+    monkeypatch.setattr(native.build, "_module", mod)
     ran = []
     real = native_bridge.held_unchanged
     monkeypatch.setattr(native_bridge, "held_unchanged", lambda held: ran.append(1) or real(held))
@@ -163,15 +164,15 @@ def test_cpp_check_agrees_with_python_on_each_change(monkeypatch):
     say changed after each of: an in-place edit, new storage (``.data``), a new Parameter, a module replaced, a
     module re-classed, an instance ``forward``."""
     mod = native_extension()
-    monkeypatch.setattr(native, "_adopted", None)  # (the packs below are built with the Python check)
+    monkeypatch.setattr(native.build, "_module", None)  # (the packs below are built with the Python check)
     model = build()
     ids = ids_for(NAMES)
 
     def both(layer):
         held = layer.__dict__[peft_mixed._HELD]
-        monkeypatch.setattr(native, "_adopted", mod)
+        monkeypatch.setattr(native.build, "_module", mod)
         cpp = native_bridge.held_unchanged(held)
-        monkeypatch.setattr(native, "_adopted", None)
+        monkeypatch.setattr(native.build, "_module", None)
         x = torch.zeros(1, 1, layer.in_features)
         python = peft_mixed._unchanged(layer, layer.base_layer, held.key[0], x)
         return cpp, python

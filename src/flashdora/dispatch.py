@@ -10,8 +10,8 @@ Fields:
 
 - ``compose``: ``peft`` (PEFT's own forward, ``why`` says why), ``meta`` (shapes only: PEFT's ops), ``traced``
   (inside ``torch.compile``: plain torch ops), ``eager``, ``triton``, ``native`` (the C++ forward and node over the
-  Triton kernels, once the background build is adopted; a shape's first calls run the Triton path and file their
-  launch plans), ``double-eager`` / ``double-triton`` (a forward with grad under ``flashdora.double_backward``: the
+  Triton kernels, ``native_for``; a call the C++ side declines for a fixed property runs the ``triton`` path),
+  ``double-eager`` / ``double-triton`` (a forward with grad under ``flashdora.double_backward``: the
   compose that a second backward can go through), ``mixed-eager`` / ``mixed-triton`` / ``mixed-traced`` (a call
   with PEFT's ``adapter_names``: every named adapter in one compose, ``ops.mixed``; ``mixed_route``).
 - ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashdora import backend, config, native
+from flashdora import backend, config
+from flashdora.native import build
 from flashdora.peft.support import hooked_adapter, is_bnb, reason
 
 COMPOSE = (
@@ -63,21 +64,38 @@ def _route(compose: str, norm: str, base: str, why: str | None = None) -> Route:
     return route
 
 
-def native_ready() -> bool:
-    """Whether the C++ extension is built and adopted (``native.module(wait=False)``; a call without grad adopts a
-    finished build, a quiet point)."""
-    if native._adopted is not None:
-        return True
-    if not config.native_on:
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)  # private: read where ``config.private``
+
+
+def native_for(layer, x) -> bool:
+    """Whether this call of ``layer`` may use the C++ extension (its base, compose and norm), decided once per call.
+
+    A call that trains (grad on, or the layer in training mode: reentrant checkpointing's first forward runs
+    without grad) loads the extension, building it first where the cache lacks it; other calls use it only where it
+    is already built. A call inside a backward (a checkpoint's recomputation) takes the answer the layer's last call
+    outside one took: ``configure(native=...)`` between a forward and its backward changes nothing it saves."""
+    d = layer.__dict__
+    if "_flashdora_native" in d and config.private and _graph_task is not None and _graph_task() != -1:
+        return d["_flashdora_native"]  # inside a backward: the recomputation takes what its forward took
+    on = config.native_on and x.is_cuda
+    if on and build._module is None:
+        on = build.load(torch.is_grad_enabled() or layer.training) is not None
+    d["_flashdora_native"] = on
+    return on
+
+
+def native_loaded(x) -> bool:
+    """``native_for`` for calls outside a PEFT layer (``dora_linear``, the mixed compose's norm): the extension
+    where it is on and already loaded, or where a call with grad loads it."""
+    if not config.native_on or not x.is_cuda:
         return False
-    if native.module(wait=False) is None:
-        native.adopt_without_grad()
-    return native._adopted is not None
+    return build._module is not None or build.load(torch.is_grad_enabled()) is not None
 
 
-def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False) -> str:
+def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False, native: bool | None = None) -> str:
     """``eager``, ``triton`` or ``native`` for an eager compose producing ``result``. The C++ side takes no bias with
-    dropout's ``lx_base`` (PEFT's exact form never passes both) and no trainable bias."""
+    dropout's ``lx_base`` (PEFT's exact form never passes both) and no trainable bias. ``native``: ``native_for``'s
+    answer for the call (``None``: ``native_loaded``)."""
     triton = backend.use_triton(result)
     if config.double_backward and torch.is_grad_enabled():  # (flashdora.double_backward: ops/compose_grad2.py)
         return "double-triton" if triton else "double-eager"
@@ -85,12 +103,14 @@ def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False) -> 
         return "eager"
     if bias is not None and (has_lx_base or bias.requires_grad):
         return "triton"
-    if result.is_cuda and config.native_on and native_ready():
-        return "native"
-    return "triton"
+    if native is None:
+        native = native_loaded(result)
+    return "native" if native else "triton"
 
 
-def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False, compose: str | None = None) -> str:
+def norm_impl(
+    weight, lora_A, lora_B, magnitude, quantized: bool = False, compose: str | None = None, native: bool | None = None
+) -> str:
     """What a norm-cache miss of this layer runs: ``eager``, ``triton`` or ``native``. A dequantized weight is never
     float64: its adapters decide. ``compose``: the call's compose route, when known: a ``triton`` or ``native``
     compose on the same device with no float64 tensor gives the norm the same answer, without the checks."""
@@ -99,7 +119,9 @@ def norm_impl(weight, lora_A, lora_B, magnitude, quantized: bool = False, compos
     tensors = (lora_A, lora_B, magnitude) if quantized else (weight, lora_A, lora_B, magnitude)
     if weight.is_meta or not backend.use_triton(*tensors):
         return "eager"
-    return "native" if weight.is_cuda and config.native_on and native_ready() else "triton"
+    if native is None:
+        native = native_loaded(weight)
+    return "native" if native and weight.is_cuda else "triton"
 
 
 def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result) -> str | None:
@@ -120,9 +142,11 @@ def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, modul
 
 
 def layer_route(
-    module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result, base_kind, bias, has_lx_base
+    module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result, base_kind, bias, has_lx_base,
+    native: bool,
 ) -> Route:
-    """The route of one call of a PEFT DoRA Linear layer's ``adapter`` (after its base layer ran: ``base_kind``)."""
+    """The route of one call of a PEFT DoRA Linear layer's ``adapter`` (after its base layer ran: ``base_kind``;
+    ``native``: ``native_for``'s answer for the call)."""
     why = fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result)
     if x.is_meta or weight.is_meta:  # shapes only (meta-device initialisation): PEFT's ops, not a fallback
         route = _route("meta", "-", base_kind)
@@ -132,14 +156,8 @@ def layer_route(
         route = _route("traced", "triton" if result.is_cuda else "eager", base_kind)
     else:
         quantized = base_kind != "module"
-        compose = compose_impl(result, bias, has_lx_base)
-        if compose == "native" and "ds_id" in weight.__dict__:
-            # DeepSpeed ZeRO-3 (gathered: ``reason``): no C++ route. Every gather is a new buffer, so the norm is
-            # computed again in the checkpoint's recomputation, and C++ launch plans filed in between (the first
-            # steps after adoption) could move that call from the Python Triton node to the C++ one, which saves
-            # other tensors: the recomputation must save what the forward did. Measured on a GPU: CheckpointError.
-            compose = "triton"
-        route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose), base_kind)
+        compose = compose_impl(result, bias, has_lx_base, native)
+        route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose, native), base_kind)
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
         routes = module.__dict__["_flashdora_routes"] = {}
@@ -156,8 +174,7 @@ def mixed_route(module, adapters, x, base_kind: str, why: str | None) -> Route:
     elif torch.compiler.is_compiling():
         route = _route("mixed-traced", "triton" if x.is_cuda else "eager", base_kind)
     elif backend.use_triton(x):
-        route = _route("mixed-triton", "native" if x.is_cuda and config.native_on and native_ready() else "triton",
-                       base_kind)  # fmt: skip
+        route = _route("mixed-triton", "native" if native_loaded(x) else "triton", base_kind)
     else:
         route = _route("mixed-eager", "eager", base_kind)
     routes = module.__dict__.get("_flashdora_routes")

@@ -122,11 +122,9 @@ def test_gpu_node_gives_the_python_paths_bits(ext, monkeypatch, t, d_in, d_out, 
     run()  # tunes the backward kernel
     name, y_py, g_py = run()  # compiles it for the direct launch: the plan the node takes
     assert "FlashDoraComposeBackward" not in name
-    monkeypatch.setattr(native, "_adopted", ext)
+    monkeypatch.setattr(native.build, "_module", ext)
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    run()  # the kernel, compiled since the last quiet point, waits for the next: the Python path's node
-    native.adopt()  # a quiet point (an optimizer step)
-    name, y_nat, g_nat = run()
+    name, y_nat, g_nat = run()  # the first call: primed (both plans filed), then run in C++
     assert name == "FlashDoraComposeBackward"
     torch.testing.assert_close(y_nat, y_py, rtol=0, atol=0)
     for got, want in zip(g_nat, g_py, strict=True):
@@ -182,11 +180,9 @@ def test_gpu_cpp_forward_gives_the_python_paths_bits(ext, monkeypatch, grad, ada
     for _ in range(3):  # tunes and compiles the kernels
         y_py, g_py, _ = run()
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(native, "_adopted", ext)
-    for _ in range(3):  # the first calls find no plan: the Python path runs and files them
-        run()
+    monkeypatch.setattr(native.build, "_module", ext)
     calls = _cpp_forward_calls(monkeypatch)
-    y_cpp, g_cpp, name = run()
+    y_cpp, g_cpp, name = run()  # the first call finds no plan: primed, then run in C++
     assert calls == []  # the C++ forward took the call
     assert name in (None, "FlashDoraComposeBackward")
     assert not y_cpp.isnan().any()
@@ -226,33 +222,23 @@ def test_cpu_forward_is_left_to_the_python_path(ext):
 
 
 @pytest.mark.gpu
-def test_gpu_cpp_forward_takes_training_after_forwards_without_backward(ext, monkeypatch):
-    """Forwards with grad before any backward (the backward kernel not compiled yet) run the Python path without
-    giving the shape up; the backward's plan is filed at the first quiet point after it compiled, and the next forward
-    runs in C++."""
+def test_gpu_every_training_call_hangs_the_cpp_node_also_with_a_new_token_count(ext, monkeypatch):
+    """Prime, then run: a shape's first training call (its kernels not compiled yet: a width no other test uses),
+    forwards with grad before any backward, and each new token count (dynamic padding) all run the C++ forward and
+    hang its node; none runs the Python path."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(native, "_adopted", ext)
-    x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
+    monkeypatch.setattr(native.build, "_module", ext)
+    _, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 744, 8)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
-    dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
-
-    def forward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0)
-
-    for _ in range(80):
-        forward()
-    for _ in range(3):
-        forward().backward(dy)
-    forward()
-    native.adopt()  # a quiet point (an optimizer step): the backward kernel, compiled since the last, is the node's
-    forward()  # the C++ node (hung by the Python path); its plan goes to the C++ forward at the next quiet point
-    native.adopt()
     calls = _cpp_forward_calls(monkeypatch)
-    y = forward()
-    assert calls == [] and y.grad_fn.name() == "FlashDoraComposeBackward"
-    y.backward(dy)
-    assert not any(t.grad.isnan().any() for t in (x, lora_A, lora_B, mag))
+    for t in (29, 1536, 1537, 1600, 2048, 1999):
+        x = torch.randn(2, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ys = [C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0) for _ in range(2)]
+        assert all(y.grad_fn.name() == "FlashDoraComposeBackward" for y in ys), t
+        sum(y.float().sum() for y in ys).backward()
+        assert calls == [], t
+    assert not any(p.grad.isnan().any() for p in (lora_A, lora_B, mag))
 
 
 class _Switching:
@@ -272,13 +258,13 @@ class _Switching:
 @pytest.mark.gpu
 @pytest.mark.parametrize("first", ["python", "cpp"])
 def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, first):
-    """A run files its plans during its first step, so under non-reentrant checkpointing a layer's forward may run
-    the Python path and its recompute the C++ one (or the reverse): both must save tensors of the same metadata
-    (the checkpoint checks them) and give the same gradients."""
+    """Should the C++ side decline a forward but take its recompute (or the reverse), under non-reentrant
+    checkpointing: both paths save tensors of the same metadata (the checkpoint checks them) and give the same
+    gradients. (Prime-then-run makes it never happen by design; this keeps the two paths interchangeable.)"""
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(native, "_adopted", ext)
+    monkeypatch.setattr(native.build, "_module", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)
@@ -289,14 +275,9 @@ def test_gpu_checkpoint_recompute_may_switch_forward_paths(ext, monkeypatch, fir
             seq = C.after_base()
             return C.compose_eager(F.linear(x, w), x, lora_A, lora_B, mag, scales, 1.0, None, None, seq)
 
-    for _ in range(3):  # compiles both kernels; quiet points then give the backward's to the node and the C++ forward
-        torch.autograd.grad(f(x), inputs, dy)
-    native.adopt()
-    torch.autograd.grad(f(x), inputs, dy)
-    native.adopt()
-    want = torch.autograd.grad(f(x), inputs, dy)
+    want = torch.autograd.grad(f(x), inputs, dy)  # (primed: the C++ forward and node)
     switching = _Switching(ext, lambda n: (n == 1) == (first == "python"))
-    monkeypatch.setattr(native, "_adopted", switching)
+    monkeypatch.setattr(native.build, "_module", switching)
     got = torch.autograd.grad(checkpoint(f, x, use_reentrant=False), inputs, dy)
     assert switching.calls == 2  # the forward, then its recompute
     for g, ref in zip(got, want, strict=True):
@@ -309,7 +290,7 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     does: the base layer's backward runs first and frees ``g dy`` before the A path's ``d x`` exists (the layer
     benchmark's peak, ``benchmarks/peak_live.py``). With ``seq = -1`` the A path runs first."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    monkeypatch.setattr(native, "_adopted", ext)
+    monkeypatch.setattr(native.build, "_module", ext)
     x, w, lora_A, lora_B, mag = _layer("cuda", torch.bfloat16, torch.float32, 29, 64, 520, 8)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "triton")[1]
     dy = torch.randn(2, 29, 520, device="cuda", dtype=torch.bfloat16)

@@ -1,16 +1,40 @@
-"""``flashdora.native``'s build: switched off it never builds, a failed build warns once, the build runs in the
-background while the Python path serves, and a process that ends mid-build waits for it (boundedly) at exit."""
-
-import os
+"""``flashdora.native.build``: switched off it never builds; a failed build warns once and is not tried again; a
+build is synchronous, says what it builds, where and how long it took; ``load(build=False)`` only loads a finished
+build; ``flashdora build`` builds ahead."""
 
 import pytest
 
-from flashdora import dispatch, native
+from flashdora import native
+from flashdora.native import build
 
 
-def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
+@pytest.fixture
+def fake_cpp(monkeypatch, tmp_path):
+    """torch's ``cpp_extension.load`` replaced by a recorder that "builds" the shared library into the given
+    folder; the extension cache is ``tmp_path``."""
     import torch.utils.cpp_extension as cpp
 
+    calls = []
+
+    def load(**kwargs):
+        calls.append(kwargs)
+        (tmp_path / build.name() / f"{build.name()}.so").write_text("")
+        return object()
+
+    monkeypatch.setattr(cpp, "load", load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
+    native.reset()
+    yield calls
+    native.reset()
+
+
+def test_switched_off_never_builds_and_a_failed_build_warns_once(monkeypatch, fake_cpp):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
+    assert not native.enabled() and native.load() is None and fake_cpp == []  # off: never tries
+    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     calls = []
 
     def broken(**kwargs):
@@ -18,92 +42,46 @@ def test_switched_off_never_builds_and_a_failed_build_warns(monkeypatch):
         raise RuntimeError("no compiler\nError building extension 'x'")
 
     monkeypatch.setattr(cpp, "load", broken)
-    monkeypatch.setenv("FLASHDORA_NATIVE", "0")
-    native.reset()
-    assert not native.enabled() and native.module() is None and calls == []  # off: never tries to build
-    monkeypatch.delenv("FLASHDORA_NATIVE")  # default: on
-    native.reset()
-    assert native.enabled()
     monkeypatch.setattr("flashdora.backend._warned", set())
     with pytest.warns(UserWarning, match="could not be built .*Error building extension.*pip install ninja"):
-        assert native.module() is None
-    assert native.module() is None and len(calls) == 1  # tried once per process
+        assert native.load() is None
+    assert native.load() is None and native.failed() and len(calls) == 1  # tried once per process
+
+
+def test_a_build_is_synchronous_and_says_what_where_and_how_long(fake_cpp, tmp_path, capsys):
+    assert not native.built()
+    mod = native.load()
+    assert mod is not None and native.loaded() is mod and len(fake_cpp) == 1
+    assert fake_cpp[0]["build_directory"] == str(tmp_path / native.name())
+    err = capsys.readouterr().err
+    assert f"building its C++ extension {native.name()} into {tmp_path / native.name()}" in err
+    assert "once per machine" in err and f"built {native.name()} in" in err
+    assert native.load() is mod and len(fake_cpp) == 1  # once per process
+
+
+def test_inference_loads_only_a_finished_build(fake_cpp, capsys):
+    assert native.load(build=False) is None and fake_cpp == []  # not in the cache: no build
+    assert native.load(build=False) is None and fake_cpp == []  # (and no second look at the disk)
+    assert native.load(build=True) is not None and len(fake_cpp) == 1  # a training call builds it
     native.reset()
+    capsys.readouterr()
+    assert native.load(build=False) is not None and len(fake_cpp) == 2  # in the cache now: loaded
+    assert "building" not in capsys.readouterr().err  # (a load says nothing)
 
 
-def test_build_runs_in_the_background(monkeypatch):
-    """A fresh machine's first steps do not wait for the compiler: while the build runs, ``module(wait=False)`` gives
-    ``None`` and the compose asks again at its next call; once built, the extension is taken."""
-    import threading
-
-    import torch.utils.cpp_extension as cpp
-
-    release, built = threading.Event(), object()
-
-    def slow(**kwargs):
-        assert release.wait(30)
-        return built
-
-    monkeypatch.setattr(cpp, "load", slow)
-    monkeypatch.setenv("FLASHDORA_NATIVE", "1")
-    native.reset()
-    assert native.module(wait=False) is None and not native.failed()
-    assert not dispatch.native_ready()  # this call: the Python path; the next asks again
-    release.set()
-    assert native.module() is built
-    assert dispatch.native_ready() and native._adopted is built
-    native.reset()
-
-
-def test_a_process_that_ends_mid_build_waits_for_it(tmp_path):
-    """torch's build holds a lock file while it runs: a process killed mid-build would leave it behind, and every
-    later build on the machine would wait on it for ever. The build thread is no daemon, so a process whose work
-    ends first still lets the build finish (and release its lock) before it exits."""
-    import subprocess
+def test_the_name_tells_torch_python_and_source_apart():
     import sys
 
-    done = tmp_path / "built"
-    code = f"""
-import time
-import torch.utils.cpp_extension as cpp
-from flashdora import native
+    import torch
 
-def slow(**kwargs):
-    time.sleep(1.0)
-    open({str(done)!r}, "w").close()
-    return object()
-
-cpp.load = slow
-assert native.module(wait=False) is None  # building; the process's work ends here
-"""
-    env = {**os.environ, "FLASHDORA_NATIVE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert done.exists()
+    name = native.name()
+    assert name.startswith("flashdora_native_") and f"py{sys.version_info.major}{sys.version_info.minor}" in name
+    assert torch.__version__.split("+")[0].replace(".", "_") in name
 
 
-def test_the_exit_wait_is_bounded():
-    """A build stuck (on another process's stale lock, say) does not hold the process for ever: after
-    ``EXIT_WAIT_S`` it exits with a message that says what to delete."""
-    import subprocess
-    import sys
-    import time
+def test_cli_build_builds_ahead(fake_cpp, capsys):
+    from flashdora.tools.cli import main
 
-    code = """
-import time
-import torch.utils.cpp_extension as cpp
-from flashdora import native
-
-def stuck(**kwargs):
-    time.sleep(60)
-
-cpp.load = stuck
-native.EXIT_WAIT_S = 0.5
-assert native.module(wait=False) is None
-"""
-    env = {**os.environ, "FLASHDORA_NATIVE": "1"}
-    t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert time.monotonic() - t0 < 40
-    assert "still running after 0.5 s" in out.stderr and "TORCH_EXTENSIONS_DIR" in out.stderr
+    assert main(["build"]) == 0
+    out = capsys.readouterr()
+    assert len(fake_cpp) == 1 and native.name() in out.out

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import flashdora
-from flashdora import dispatch, native, native_bridge
+from flashdora import dispatch, native
+from flashdora.native import bridge as native_bridge
 from flashdora.kernels import norm as kn
 from flashdora.kernels import norm_small
 from flashdora.kernels.norm_small import MAX_R
@@ -30,7 +31,7 @@ def _use(ext, monkeypatch):
 
     monkeypatch.setattr(native, "_module", ext)
     monkeypatch.setattr(native, "_state", "ready")
-    monkeypatch.setattr(native, "_adopted", ext)
+    monkeypatch.setattr(native.build, "_module", ext)
 
 
 def _poison():

@@ -177,6 +177,11 @@ def _empty_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+# Elements of lora_B from which the fused forward gets it cast to the matmul dtype first, in one pass, rather than in
+# the kernel's registers (docs/design.md, "Casting lora_B"; csrc/compose.cpp takes it at load: ``kCastBFirst``).
+CAST_B_FIRST = 8 * 2**20
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(a // -b)  # (``triton.cdiv`` is a ConstexprFunction in recent Triton: several Python calls on the host)
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdora import backend, config, dispatch, native, native_bridge
+from flashdora import backend, config, dispatch
+from flashdora.native import bridge
 from flashdora.ops import compose_grad2
 from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and tests name them here
     DOUBLE_BACKWARD,
@@ -83,15 +84,12 @@ def compose_eager(
 ) -> Tensor:
     """``compose`` outside ``torch.compile``; ``impl``: ``eager``, ``triton`` or ``native`` (``None``: routed here).
 
-    ``native``: the call runs in ``flashdora.native``'s C++ forward once that holds the launch plans of its kernels;
-    the call that finds none runs the Triton path below and files them. ``seq``: see ``after_base``."""
+    ``native``: the C++ forward and node (``native.bridge.compose``). ``seq``: see ``after_base``."""
     if impl is None:
         impl = dispatch.compose_impl(result, bias, lx_base is not None)
-    if torch.is_grad_enabled():
-        native._busy = True  # its backward may be ahead: no quiet point until the next optimizer step
     args = (result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     if impl == "native":
-        return native_bridge.compose(*args, python=_compose_python)
+        return bridge.compose(*args, python=_compose_python)
     return _compose_python(impl, *args)
 
 
@@ -118,8 +116,4 @@ def _compose_python(impl, result, lx, lora_A, lora_B, magnitude, scales, scaling
     triton = impl != "eager"
     if not torch.is_grad_enabled():  # inference: no autograd boundary to cross, nothing to save
         return _fwd(result, a, lx_base, bias, lora_B, scales, scaling, cd, False, triton)[0]
-    if impl == "native" and magnitude.requires_grad:
-        y = native_bridge.compose_with_node(result, a, bias, lora_B, scales, scaling, magnitude, cd, lx_base)
-        if y is not None:
-            return y
     return _apply(result, a, lx_base, bias, lora_B, magnitude, scales, scaling, cd, triton)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdora import backend, config
+from flashdora._dtypes import cast, compute_dtype
 
 
 def compose_fwd_eager(result, lora, g, gm1, scaling, bias=None, lx_base=None, save_inner=True):
@@ -40,21 +41,7 @@ def compose_bwd_eager(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     return gdy, d_lx_base, dg
 
 
-def _cast(t, dtype):
-    """``t`` in ``dtype`` (``None``: as it is), without a torch call when it already is: a no-op ``.to()`` still
-    costs one on the host path."""
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-
-def _compute_dtype(device_type: str, lora_A: torch.Tensor, autocast: bool) -> torch.dtype:
-    """The LoRA matmul dtype PEFT gets: the autocast dtype under autocast, else the adapter's dtype."""
-    return torch.get_autocast_dtype(device_type) if autocast else lora_A.dtype
-
-
-# Elements of lora_B from which the fused forward gets it cast to the matmul dtype first (H100, T = 2048, r = 384:
-# at d_out 27648 the in-register cast costs the kernel 18-28 us more than a cast pass plus the kernel on a 16-bit
-# B; at d_out 4096 only 2-4 us, below the host time of one more launch).
-_CAST_B_FIRST = 8 * 2**20
+_cast, _compute_dtype = cast, compute_dtype  # (the names the rest of ops/ and the tests use)
 
 
 def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
@@ -109,7 +96,7 @@ def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_
         kc = _kc or _import_kernels()
         # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
         # GPU time saved outweighs the extra launch's host time.
-        b = lora_B if lora_B.numel() < _CAST_B_FIRST else _cast(lora_B, compute_dtype)
+        b = lora_B if lora_B.numel() < kc.CAST_B_FIRST else _cast(lora_B, compute_dtype)
         return kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
     backend.count("eager")
     g, gm1, _ = scales.unbind(0)

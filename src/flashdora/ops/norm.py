@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from flashdora import _checks, backend, native_bridge
+from flashdora import _checks, backend
+from flashdora.native import bridge
 
 # Default transient budget of the eager path: 16 Mi fp32 elements (64 MiB) per chunk.
 _CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -157,6 +158,6 @@ def fresh(weight, lora_A, lora_B, magnitude, scaling, impl: str, w_sq=None) -> t
         if impl != "native" or w_sq is None:
             return norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)
         python = lambda: norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq=w_sq)  # noqa: E731
-        return native_bridge.norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python)
+        return bridge.norm_scales(weight, lora_A, lora_B, magnitude, scaling, w_sq, python)
     norm = compute_norm(weight, lora_A, lora_B, scaling, w_sq=w_sq)
     return norm, scales(magnitude, norm)

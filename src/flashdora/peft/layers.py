@@ -21,6 +21,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
+from flashdora import dispatch
 from flashdora.ops.compose import after_base
 from flashdora.peft import mixed, variant
 from flashdora.peft.mixed_hooks import NAMES
@@ -114,13 +115,14 @@ def lean_forward(self, x, *args, **kwargs):
     active = plain_active(self, args, kwargs)
     if active is None:
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
+    native = dispatch.native_for(self, x)  # (before the base: a 4-bit base's route depends on it)
     seq = after_base()
     base = self._modules["base_layer"]
     if not _bnb(base):
-        return _adapt(self, active, x, base(x), seq, "module")
+        return _adapt(self, active, x, base(x), seq, "module", native)
     try:
-        result, fresh = bnb_base.result(base, x)
-        return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer")
+        result, fresh = bnb_base.result(base, x, native)
+        return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer", native)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 
@@ -135,11 +137,11 @@ def _mixed(self, x, args, kwargs):
     return mixed.forward(self, x, args, kwargs, type(self)._mixed_batch_forward)
 
 
-def _adapt(self, active, x, result, seq, base_kind):
+def _adapt(self, active, x, result, seq, base_kind, native):
     """``lean_forward`` after the base layer: PEFT's cast of ``x``, the variant, the result in the base's dtype."""
     dtype = result.dtype
     x = self._cast_input_dtype(x, _param(self._modules["lora_A"]._modules[active], "weight").dtype)
-    result = variant.flash_forward(self, active, x, result, seq, base_kind)
+    result = variant.flash_forward(self, active, x, result, seq, base_kind, _native=native)
     return result if result.dtype == dtype else result.to(dtype)
 
 
@@ -162,17 +164,18 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
     if active is None:
         return _peft_forward(self._flashdora_kind)(self, x, *args, **kwargs)
     mods = self._modules
+    native = dispatch.native_for(self, x)
     seq = after_base()
     try:
-        result, fresh = bnb_base.result(mods["base_layer"], x)
+        result, fresh = bnb_base.result(mods["base_layer"], x, native)
         if not fresh and _CLONES[self._flashdora_kind]:
             result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
         base_kind = "bnb" if fresh else "layer"
         if torch.is_autocast_enabled():  # (PEFT's test: no conversion of x or of the result under autocast)
-            return variant.flash_forward(self, active, x, result, seq, base_kind)
+            return variant.flash_forward(self, active, x, result, seq, base_kind, _native=native)
         dtype = result.dtype
         x = self._cast_input_dtype(x, _param(mods["lora_A"]._modules[active], "weight").dtype)
-        return variant.flash_forward(self, active, x, result, seq, base_kind).to(dtype)
+        return variant.flash_forward(self, active, x, result, seq, base_kind, _native=native).to(dtype)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from flashdora import backend, config, dispatch, native_bridge
+from flashdora import backend, config, dispatch
+from flashdora.native import bridge as native_bridge
 from flashdora.ops import norm_cache
 from flashdora.ops.cache_streams import capturing
 from flashdora.ops.mixed import Pack, build_pack, mixed_compose

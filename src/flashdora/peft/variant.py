@@ -32,13 +32,15 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def flash_forward(
-    module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, _base=None, **kwargs
+    module: LoraLayer, active_adapter: str, x: torch.Tensor, result: torch.Tensor, _seq=-1, _base=None, _native=None,
+    **kwargs,
 ):
     """``LoraVariant.forward`` for DoRA Linear layers: PEFT's function, computed by ``flashdora.ops``.
 
     The call is routed once (``dispatch.layer_route``) and run as its route says. ``_seq``:
     ``ops.compose.after_base()`` taken right before the base layer ran (``peft.layers``), else -1. ``_base``: how the
-    base result was made (``dispatch.BASE``; ``None``: the layer's own call)."""
+    base result was made (``dispatch.BASE``; ``None``: the layer's own call). ``_native``: ``dispatch.native_for``'s
+    answer, where the caller took it before the base ran."""
     if watch.fsdp_hook is None:  # a process group may have come up since (FSDP2: peft/watch.py)
         watch.watch_fsdp()
     if "_flashdora_pending" in module.__dict__:  # FSDP2 has just gathered this layer's weights
@@ -65,6 +67,7 @@ def flash_forward(
     route = dispatch.layer_route(
         module, active_adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result,
         _base or ("layer" if quantized else "module"), bias, exact,
+        dispatch.native_for(module, x) if _native is None else _native,
     )  # fmt: skip
     compose = route.compose
     if compose == "meta":  # shapes only (meta-device initialisation): PEFT's ops, uncounted as a fallback

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdora import backend
+from flashdora.native import bridge
 from flashdora.peft import support
 from flashdora.quant import dequant
 from flashdora.quant.dequant import release  # noqa: F401 (peft.layers calls quant.base.release)
@@ -87,7 +88,7 @@ def _free(base, x) -> bool:
     )  # fmt: skip
 
 
-def _plan4(base, x):
+def _plan4(base, x, native: bool):
     """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
     if not _tested() or not _free(base, x):
         return None
@@ -107,8 +108,8 @@ def _plan4(base, x):
     if bias is not None and (bias.requires_grad or bias.dtype != state.dtype):
         return None  # (bitsandbytes then casts the bias in place, or trains it)
     packed = weight.detach()
-    if packed.is_cuda and dequant.native_4bit(packed, state) is None:
-        return None  # no C++ dequantization here: nothing to gain
+    if packed.is_cuda and (not native or bridge.takes_4bit(packed, state) is None):
+        return None  # no C++ dequantization for this call: nothing to gain
     return (x if cd is None else x.to(cd)), packed, state, bias
 
 
@@ -215,13 +216,14 @@ class _Linear8bit(torch.autograd.Function):
         return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None, None
 
 
-def result(base, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def result(base, x: torch.Tensor, native: bool) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
-    else it is the layer's own call. The caller ``release``s once the layer's call is done (a ``finally``)."""
+    else it is the layer's own call. ``native``: the call may use the C++ extension (``dispatch.native_for``). The
+    caller ``release``s once the layer's call is done (a ``finally``)."""
     dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
-        plan = _plan4(base, x)
+        plan = _plan4(base, x, native)
         if plan is not None:
             return _result4(x, *plan), True
     elif name == "Linear8bitLt":

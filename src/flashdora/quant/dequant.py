@@ -2,19 +2,17 @@
 
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
-``native_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
+``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
 layer's base result itself, the 4-bit weight its forward dequantized is held here (``hold``) until the layer's call
 ends (``release``), and the miss takes it (``held``) instead of dequantizing again.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from flashdora import backend, config, native
+from flashdora import backend, config
+from flashdora.native import bridge
 
 _held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
 
@@ -27,7 +25,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     cache miss runs this every optimizer step, and those checks read ``Params4bit`` attributes through its
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
-    C++ (``_native_dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
+    C++ (``native.bridge.dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
     layer's base result itself (``quant.base``), the weight that forward dequantized (``held``). An 8-bit weight comes
     in ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
@@ -50,7 +48,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
 def dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor:
     """``bitsandbytes.functional.dequantize_4bit(packed, state)``: from C++ where ``_native_dequantize_4bit`` runs
     (the same bits), else that function itself."""
-    out = _native_dequantize_4bit(packed, state)
+    out = bridge.dequantize_4bit(packed, state)
     if out is None:
         import bitsandbytes as bnb
 
@@ -92,9 +90,6 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return out
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
 def bnb_tested() -> bool:
     """Whether the installed bitsandbytes is a version flashdora's uses of its internals were tested with
     (``config.TESTED``: the exported kernels the C++ path calls, the private names ``quant.base`` reads)."""
@@ -104,63 +99,6 @@ def bnb_tested() -> bool:
         return False
     lo, hi = config.TESTED["bitsandbytes"]
     return lo <= config._minor(str(bnb.__version__)) <= hi
-
-
-@functools.cache
-def bnb_kernel(name: str) -> int:
-    """The address of a kernel wrapper bitsandbytes' library exports (``cdequantize_blockwise_bf16_nf4``...), or 0:
-    not a tested bitsandbytes version (``config.TESTED``; the signatures are its library's, not a public API),
-    no CUDA library, no such symbol."""
-    try:
-        from bitsandbytes.cextension import lib
-
-        if not bnb_tested() or not getattr(lib, "compiled_with_cuda", 0):
-            return 0
-        fn = getattr(getattr(lib, "_lib", None), name, None)
-        if fn is None:
-            return 0
-        return ctypes.cast(fn, ctypes.c_void_p).value or 0
-    except (ImportError, ValueError, AttributeError, TypeError):
-        return 0
-
-
-def native_4bit(packed: torch.Tensor, state):
-    """``(module, 4-bit kernel address, blockwise kernel address or 0)`` of the C++ 4-bit dequantization for
-    ``packed`` (the blockwise one for a nested state's absmax), or ``None`` where it does not
-    run (CPU, switched off, still building, another dtype or quantization, an unexpected nested state, a
-    bitsandbytes version it was not tested with)."""
-    if not packed.is_cuda or packed.shape[0] == 1 or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        return None  # (another quant_storage, e.g. FSDP-QLoRA's bf16: bitsandbytes' own function)
-    if not native.enabled():
-        return None
-    mod = native.module(wait=False)
-    dtype = _DTYPE_NAMES.get(state.dtype)
-    if mod is None or dtype is None or state.quant_type not in ("nf4", "fp4"):
-        return None
-    fn_blockwise = 0
-    if state.nested:
-        inner, offset = state.state2, state.offset
-        if not isinstance(offset, torch.Tensor) or inner.dtype != torch.float32 or inner.nested:
-            return None
-        fn_blockwise = bnb_kernel("cdequantize_blockwise_fp32")
-        if not fn_blockwise:
-            return None
-    fn_4bit = bnb_kernel(f"cdequantize_blockwise_{dtype}_{state.quant_type}")
-    return (mod, fn_4bit, fn_blockwise) if fn_4bit else None
-
-
-def _native_dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """``dequantize_4bit(packed, state)`` from C++ (``csrc/norm.cpp``), or ``None`` where that path does not run."""
-    plan = native_4bit(packed, state)
-    if plan is None:
-        return None
-    mod, fn_4bit, fn_blockwise = plan
-    if not state.nested:
-        return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
-                                   None, None, None, 0, 0)  # fmt: skip
-    inner = state.state2
-    return mod.dequantize_4bit(packed, state.absmax, state.blocksize, list(state.shape), state.dtype, fn_4bit,
-                               inner.code, inner.absmax, state.offset, inner.blocksize, fn_blockwise)  # fmt: skip
 
 
 def hold(packed, state) -> torch.Tensor:

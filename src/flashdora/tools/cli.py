@@ -1,4 +1,5 @@
-"""``flashdora`` command line: ``demo``, ``parity``, ``bench layer|model|fsdp|serve``; each module does the work.
+"""``flashdora`` command line: ``build``, ``demo``, ``parity``, ``bench layer|model|fsdp|serve``; each module does
+the work.
 
 The parsers are assembled here from plain constants and the per-command ``add_*_arguments`` of
 ``flashdora.tools.cli_args`` (re-exported here), so ``--help`` and a bad option cost no torch import (the modules
@@ -43,6 +44,7 @@ from flashdora.tools.cli_args import (  # noqa: F401 - the options live in cli_a
 
 # command -> module with run(args) -> int, and its one-line help
 _COMMANDS = {
+    "build": ("flashdora.tools.build", "build the C++ extension into torch's extension cache now (images, CI)"),
     "demo": ("flashdora.tools.demo", "train a small Llama-style model with PEFT DoRA and with flashdora; compare"),
     "parity": ("flashdora.tools.parity", "logit fidelity vs PEFT and float64, and training-curve parity"),
     "dropout-study": (
@@ -60,6 +62,7 @@ _COMMANDS = {
 _GROUPS = {"bench": "GPU benchmarks against PEFT"}
 # command -> (optional packages it needs, the pyproject extra that brings them)
 _NEEDS = {
+    "build": ((), ""),
     "demo": (("rich",), "cli"),
     "parity": (("rich", "matplotlib"), "bench"),
     "dropout-study": (("rich", "matplotlib"), "bench"),
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # command -> {option dest: least value}; a list option's every value is checked
 _AT_LEAST = {
+    "build": {},
     "demo": {"steps": 1, "batch": 1, "seq": 1, "rank": 1},
     "parity": {"steps": 1, "seeds": 1, "first_seed": 0, "pretrain": 0, "rank": 1, "seq": 1, "batch": 1},
     "dropout-study": {
@@ -206,7 +210,7 @@ def check(args: argparse.Namespace) -> None:
     _check_packages(args, error)
     _check_values(args, error)
     _check_combinations(args, error)
-    if not getattr(args, "merge", None):  # a merge trains nothing: the device comes from its files
+    if hasattr(args, "device") and not getattr(args, "merge", None):  # (a merge's device comes from its files)
         _check_device(args, error)
 
 

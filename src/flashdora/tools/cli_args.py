@@ -378,6 +378,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ADD = {
+    "build": lambda p: None,  # (no options)
     "demo": add_demo_arguments,
     "parity": add_parity_arguments,
     "dropout-study": add_dropout_study_arguments,

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if cuda:
         from flashdora import native
 
-        native.module(wait=True)  # built (or loaded) before flashdora's steps, not during them
+        native.load()  # built (or loaded) before flashdora's steps, not during them
     results = {}
     flashdora.reset_stats()
     with Progress(console=console, transient=True) as progress:

@@ -228,7 +228,7 @@ def worker(opts: dict) -> None:
     if cuda and "flashdora" in modes:
         from flashdora import native
 
-        native.module(wait=True)  # loaded before the steps (the parent process built it), as in the model bench
+        native.load()  # loaded before the steps (the parent process built it), as in the model bench
     vocab = built[modes[0]][0].config.vocab_size
     g = torch.Generator().manual_seed(opts["seed"] + rank)
     ids = torch.randint(0, vocab, (opts["batch"], opts["seq"]), generator=g).to(device)

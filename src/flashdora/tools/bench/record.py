@@ -146,7 +146,7 @@ def native_backward(device: torch.device | str) -> str:
         return "cpu"
     if not native.enabled():
         return "off"
-    return "on" if native.module() is not None else "unbuilt"
+    return "on" if native.load() is not None else "unbuilt"
 
 
 def stem(result: dict) -> str:

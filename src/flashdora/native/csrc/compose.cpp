@@ -57,7 +57,7 @@ auto make_node() {
 // d_result, d_a, d_lora_B, d_magnitude (and d_lx_base) of `y = compose(result, a, lora_B, magnitude[, lx_base])`.
 // Without lx_base: y = g (result - bias + s a B^T) + bias, d_result = g dy, s on the LoRA GEMMs' alpha. With
 // dropout's lx_base = lx W^T: y = result + (g - 1) lx_base + g s a B^T, d_result = dy, d_lx_base = (g - 1) dy, and
-// the LoRA GEMMs take (dy s) g, PEFT's rounding (ops/compose.py `_bwd`).
+// the LoRA GEMMs take (dy s) g, PEFT's rounding (ops/compose_fn.py `_bwd`).
 struct ComposeBackward : public Node {
   SavedVariable a_, inner_;
   at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
@@ -174,15 +174,6 @@ void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, cons
   torch::autograd::set_history(y, node);
 }
 
-// hang_node from Python (ops/compose.py `_compose_native`: a forward the C++ forward did not take).
-void attach(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-            const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling,
-            int64_t function, int64_t warps, int64_t shared, int64_t block_n, int64_t n_split, int64_t rows,
-            std::string types, std::vector<int64_t> keep, const std::optional<at::Tensor>& lx_base) {
-  hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling,
-            Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)}, lx_base);
-}
-
 // ---- The forward, and the launch plans it finds by key ----
 
 // Every plan Python has filed, by key; a forward key seen without a plan holds a placeholder that counts misses.
@@ -221,9 +212,9 @@ Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
   return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
 }
 
-constexpr int64_t kCastBFirst = 8 * (1 << 20);  // ops/compose.py _CAST_B_FIRST
+constexpr int64_t kCastBFirst = 8 * (1 << 20);  // kernels/compose.py CAST_B_FIRST (tests/ops/test_native.py checks)
 
-// ops/compose.py's compose_eager on the Triton path: y, or None where this call is not one it takes (the Python
+// native/bridge.py `compose`: the compose on the Triton path: y, or None where this call is not one it takes (the Python
 // path runs), or False where it has no forward plan for it yet (the Python path runs and files it). `lx_base`:
 // dropout's exact form (`x` is then the dropout-applied input), which PEFT calls without a bias. The checks come
 // before any work: a call it declines has launched nothing.
@@ -261,17 +252,16 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     case Found::missing: return py::bool_(false);
     case Found::plan: break;
   }
-  // The backward kernel compiles in the Python path's first backward of a shape, so forwards may come first (a
-  // forward with grad and no backward, or several before one): those run the Python path, and the first one after
-  // that backward files the plan (ops/compose.py `_compose_native`). No miss is counted.
+  // In training the backward kernel's plan is needed too (its token split depends on T): without one, False, and
+  // native/bridge.py `prime` files both before the call runs here (no miss is counted for it).
   const Plan* bwd = nullptr;
   if (train) {
     auto it = plans().find(bwd_key(result, scales, lx_base.has_value()));
-    if (it == plans().end()) return py::none();
+    if (it == plans().end()) return py::bool_(false);
     bwd = &it->second;
   }
 
-  // a = x A^T in the matmul dtype, as ops/compose.py `_lora_a`: under autocast with grad, autocast casts both
+  // a = x A^T in the matmul dtype, as ops/compose_fn.py `_lora_a`: under autocast with grad, autocast casts both
   // operands; without grad, lora_A is cast here (autocast would keep its copy until its region ends).
   at::Tensor a;
   if (autocast) {
@@ -337,7 +327,7 @@ struct EagerComposeBackward : public ComposeBackward {
       out[3] = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
     }
     at::Tensor gdy2 = gdy.reshape({t, n}).to(a.scalar_type());
-    const at::Tensor zero = zero_like(a);  // s on the GEMMs' alpha, as the CUDA node and ops/compose.py `_mm`
+    const at::Tensor zero = zero_like(a);  // s on the GEMMs' alpha, as the CUDA node and ops/compose_fn.py `_mm`
     auto mm = [&](const at::Tensor& p, const at::Tensor& q) {
       return alpha_ == 1.0 ? at::mm(p, q) : at::addmm(zero, p, q, 0, alpha_);
     };
@@ -368,11 +358,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("result"), py::arg("scales"), py::arg("function"), py::arg("warps"), py::arg("shared"),
         py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
         py::arg("has_lx_base") = false);
-  m.def("attach", &attach, "hang the compose's C++ backward node on y (CUDA, a compiled kernel's plan)",
-        py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
-        py::arg("scales"), py::arg("scaling"), py::arg("function"), py::arg("warps"), py::arg("shared"),
-        py::arg("block_n"), py::arg("n_split"), py::arg("rows"), py::arg("types"), py::arg("keep"),
-        py::arg("lx_base") = py::none());
   flashdora_native::add_norm(m);
   flashdora_native::add_check(m);
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",

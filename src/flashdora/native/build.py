@@ -1,0 +1,114 @@
+"""The C++ extension (``native/csrc/``): built once per machine, torch version, Python and flashdora source, into
+torch's extension cache, and loaded once per process.
+
+``load(build=True)`` (the first CUDA call that trains, ``flashdora build``) builds it synchronously where the cache
+lacks it, printing what it builds, where, and how long it took; later processes load it in about a second.
+``load(build=False)`` (inference) loads it only where it is already built. A build that fails, or no compiler, warns
+once and leaves the Triton route for the rest of the process. docs/design.md, "The C++ extension", says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashdora import backend, config
+
+CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [CSRC / "compose.cpp", CSRC / "norm.cpp", CSRC / "check.cpp"]  # (launch.h: included by the first two)
+_module = None  # the loaded extension
+_state = "idle"  # idle -> loaded | failed; "unbuilt": not in the cache, and nothing asked for a build yet
+
+
+def enabled() -> bool:
+    """``config.native_on``: ``FLASHDORA_NATIVE`` / ``configure(native=...)`` (default on) with private internals
+    allowed (``config.private``: the extension packs Triton's kernel arguments itself)."""
+    return config.native_on
+
+
+def loaded():
+    """The loaded extension, or ``None``; never builds or loads."""
+    return _module
+
+
+def failed() -> bool:
+    """Whether a build was tried in this process and failed (the Triton route serves for the rest of it)."""
+    return _state == "failed"
+
+
+def name() -> str:
+    """The extension's name: torch's version, Python's and a digest of the C++ source (a cached build of other
+    source, which ninja's timestamps alone might keep, is never loaded)."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, CSRC / "launch.h"))).hexdigest()[:10]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{py}_{digest}"
+
+
+def directory() -> Path:
+    """Where it is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else torch's default root), then ``name()``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name()
+
+
+def built() -> bool:
+    """Whether the cache holds a finished build of this source (its shared library)."""
+    return (directory() / f"{name()}.so").exists()
+
+
+def load(build: bool = True):
+    """The extension, loaded on the first call of the process; ``None`` where it is switched off, failed, or (with
+    ``build=False``) not built yet. ``build``: build it where the cache lacks it (synchronously: the caller waits)."""
+    global _module, _state
+    if _module is not None or _state == "failed" or not enabled() or (_state == "unbuilt" and not build):
+        return _module
+    fresh = not built()
+    if fresh and not build:
+        _state = "unbuilt"
+        return None
+    path = directory()
+    if fresh:
+        print(
+            f"flashdora: building its C++ extension {name()} into {path} (once per machine, torch version and "
+            "flashdora source; `flashdora build` does it ahead; FLASHDORA_NATIVE=0 skips it) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    t0 = time.perf_counter()
+    _module = _compile(path)
+    _state = "loaded" if _module is not None else "failed"
+    if fresh and _module is not None:
+        print(f"flashdora: built {name()} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return _module
+
+
+def _compile(path: Path):
+    from torch.utils.cpp_extension import load as cpp_load
+
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_load(
+            name=name(), sources=[str(p) for p in _SOURCES], extra_cflags=["-O2"], build_directory=str(path),
+            verbose=False,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Triton route still works
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        backend.warn_once(
+            "native",
+            f"flashdora: the C++ extension could not be built ({msg}); the Triton route runs for the rest of this "
+            "process (same results, more host time a layer). It needs a C++ compiler and ninja (pip install "
+            "ninja); FLASHDORA_NATIVE=0 silences this",
+        )
+        return None
+
+
+def reset() -> None:
+    """Forget the loaded extension (tests): the next ``load`` loads it again."""
+    global _module, _state
+    _module, _state = None, "idle"
