@@ -118,7 +118,7 @@ def test_autocast_bf16_with_fp32_adapters(monkeypatch):
 def test_large_lora_B_cast_first_gives_the_same_bits(with_lora_x, device, monkeypatch):
     """A large float32 ``lora_B`` is cast to bf16 before the fused kernel instead of in its registers: the same
     rounding, so the output and every gradient must be bitwise those of the in-register cast."""
-    from flashdora.ops import compose_fn
+    from flashdora.kernels import compose as kc
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
     i = dora_inputs(40, 24, 8, lead=(3, 5), device=device)
@@ -127,7 +127,7 @@ def test_large_lora_B_cast_first_gives_the_same_bits(with_lora_x, device, monkey
     dy = torch.randn(3, 5, 24, device=device).bfloat16()
     runs = []
     for threshold in (2**40, 0):  # never cast first, always cast first
-        monkeypatch.setattr(compose_fn, "_CAST_B_FIRST", threshold)
+        monkeypatch.setattr(kc, "CAST_B_FIRST", threshold)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             runs.append(_run(dora_linear, i, lora_x, dy))
     (out0, grads0), (out1, grads1) = runs

@@ -307,3 +307,20 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
     order = backward_order(y)
     assert set(order[:-1]) == {"base"} and order[-1] == "a"
     assert backward_order(forward(False))[0] == "a"
+
+
+def test_the_cpp_constants_match_the_python_ones():
+    """The C++ side mirrors three constants of the Python side (its source compiles them in): they agree."""
+    import re
+
+    from flashdora.kernels import compose as kc
+    from flashdora.kernels import norm_gemm, scales
+    from flashdora.native.build import CSRC
+
+    def cpp(name, file):
+        expr = re.search(rf"constexpr int64_t {name} = ([^;]+);", (CSRC / file).read_text()).group(1)
+        return eval(expr, {})  # (integer arithmetic: "8 * (1 << 20)")
+
+    assert cpp("kCastBFirst", "compose.cpp") == kc.CAST_B_FIRST
+    assert cpp("kChunkElements", "norm.cpp") == norm_gemm._CHUNK_ELEMENTS
+    assert cpp("kScalesBlock", "norm.cpp") == scales.SCALES_BLOCK

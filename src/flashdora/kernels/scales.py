@@ -55,7 +55,8 @@ def finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, torc
     return norm, scales
 
 
-_SCALES_BLOCK = 1024 if not configs.INTERPRETED else 64
+SCALES_BLOCK = 1024  # (csrc/norm.cpp: kScalesBlock)
+_SCALES_BLOCK = SCALES_BLOCK if not configs.INTERPRETED else 64
 
 
 def _scales_flags(from_sq: bool) -> dict:

@@ -48,7 +48,7 @@ std::vector<int64_t> norm_key(const at::Tensor& weight, const at::Tensor& lora_A
 }
 
 constexpr int64_t kChunkElements = 16 * 1024 * 1024;  // kernels/norm_gemm.py _CHUNK_ELEMENTS
-constexpr int64_t kScalesBlock = 1024;                // kernels/scales.py _SCALES_BLOCK
+constexpr int64_t kScalesBlock = 1024;                // kernels/scales.py SCALES_BLOCK
 
 // The epilogue and the scales kernel from C = W a^T and G = a a^T: (norm, scales).
 py::object finish(const NormPlan& plan, const at::Tensor& c, int64_t stride_cm, int64_t stride_cj,
