@@ -14,3 +14,9 @@ def cast(t, dtype):
 def compute_dtype(device_type: str, lora_A: torch.Tensor, autocast: bool) -> torch.dtype:
     """The LoRA matmul dtype PEFT gets: the autocast dtype under autocast, else the adapter's dtype."""
     return torch.get_autocast_dtype(device_type) if autocast else lora_A.dtype
+
+
+def autocast_on(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, ``False`` for meta tensors (autocast has no meta device: torch
+    raises for it)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)

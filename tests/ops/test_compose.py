@@ -334,3 +334,14 @@ def test_lora_x_dtype_error():
     args = _args()
     with pytest.raises(TypeError, match=r"dora_linear: lora_x expected dtype torch.float32 \(the dtype of x"):
         dora_linear(**args, lora_x=torch.randn(3, 8).double())
+
+
+@pytest.mark.parametrize("lora_x", [False, True])
+def test_dora_linear_on_meta_tensors_gives_shapes(lora_x):
+    """Meta tensors (shape inference, meta-device initialisation) have no autocast state to ask: ``dora_linear``
+    still gives the output's shape and dtype (it raised "unknown device type for autocast")."""
+    i = dora_inputs(12, 8, 2, lead=(3, 5), device="meta")
+    x = i["x"]
+    out = dora_linear(x, i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], 0.5,
+                      lora_x=torch.empty_like(x) if lora_x else None)  # fmt: skip
+    assert out.device.type == "meta" and out.shape == (3, 5, 8) and out.dtype == x.dtype

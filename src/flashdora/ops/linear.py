@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdora import _checks, backend, dispatch
+from flashdora._dtypes import autocast_on
 from flashdora.ops.compose import run_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
 
@@ -50,11 +51,11 @@ def dora_linear(x, weight, bias, lora_A, lora_B, magnitude, scaling, *, lora_x=N
     if x.dim() < 1 or x.shape[-1] != d_in:
         raise ValueError(f"{fn}: x expected shape [..., {d_in}] (d_in from weight), got {list(x.shape)}")
     _checks.same_device(fn, "weight", weight, x, "x")
-    if not torch.is_autocast_enabled(x.device.type) and x.dtype != weight.dtype:  # (autocast casts them alike)
+    autocast = autocast_on(x.device.type)
+    if not autocast and x.dtype != weight.dtype:  # (autocast casts them alike)
         raise TypeError(
             f"{fn}: x expected dtype {weight.dtype} (the dtype of weight, outside autocast), got {x.dtype}"
         )
-    autocast = torch.is_autocast_enabled(x.device.type)
     if bias is not None:
         _checks.tensor(fn, "bias", bias)
         _checks.shape(fn, "bias", bias, [d_out], "weight's d_out")

@@ -22,6 +22,7 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from flashdora import dispatch
+from flashdora._dtypes import autocast_on
 from flashdora.ops.compose import after_base
 from flashdora.peft import mixed, variant
 from flashdora.peft.mixed_hooks import NAMES
@@ -55,7 +56,7 @@ def cast_input_dtype(self, x, dtype: torch.dtype):
     if (
         x is not None
         and x.dtype != dtype
-        and torch.is_autocast_enabled(x.device.type)
+        and autocast_on(x.device.type)
         and x.dtype == torch.get_autocast_dtype(x.device.type)
     ):
         variants_ = self.lora_variant
