@@ -79,7 +79,9 @@ def test_analyzer_on_a_small_package(tmp_path):
         Edge("pkg.a", "pkg.c", 3, False),
         Edge("pkg.b", "pkg.a", 1, False),
         Edge("pkg.b", "pkg.sub.d", 5, True),
+        Edge("pkg.b", "pkg.sub", 5, True),  # (importing pkg.sub.d runs pkg/sub/__init__.py first)
         Edge("pkg.b", "pkg.sub.d", 6, True),
+        Edge("pkg.b", "pkg.sub", 6, True),
         Edge("pkg.sub.d", "pkg.a", 1, False),
         Edge("pkg.sub.d", "pkg.c", 2, False),
         Edge("pkg.sub.d", "pkg.sub", 3, False),
@@ -99,3 +101,16 @@ def test_analyzer_finds_no_cycle_in_a_chain(tmp_path):
     _write(root, files)
     edges = import_edges(root)
     assert len(edges) == 2 and cycles(edges) == []
+
+
+def test_a_cycle_through_a_package_init_is_found(tmp_path):
+    """``a`` imports ``pkg.sub.d``, which runs ``pkg/sub/__init__.py``, which imports ``pkg.sub.e``, which imports
+    ``a``: a cycle Python meets although no module names another's importer (the cycle the C++ bridge had through
+    ``ops/__init__.py``)."""
+    root = tmp_path / "pkg"
+    files = {
+        "__init__.py": "", "a.py": "from pkg.sub.d import f\n", "sub/__init__.py": "from pkg.sub.e import g\n",
+        "sub/d.py": "def f():\n    pass\n", "sub/e.py": "from pkg import a\n",
+    }  # fmt: skip
+    _write(root, files)
+    assert cycles(import_edges(root)) == [("pkg.a", "pkg.sub", "pkg.sub.e")]

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from flashdora import backend
+from flashdora import backend, config
 from flashdora._dtypes import cast, compute_dtype
 from flashdora.native import build
 
@@ -129,12 +129,10 @@ def bnb_kernel(name: str) -> int:
     """The address of a kernel wrapper bitsandbytes' library exports (``cdequantize_blockwise_bf16_nf4``...), or 0:
     not a tested bitsandbytes version (``config.TESTED``; the signatures are its library's, not a public API),
     no CUDA library, no such symbol."""
-    from flashdora.quant.dequant import bnb_tested
-
     try:
         from bitsandbytes.cextension import lib
 
-        if not bnb_tested() or not getattr(lib, "compiled_with_cuda", 0):
+        if not config.tested("bitsandbytes") or not getattr(lib, "compiled_with_cuda", 0):
             return 0
         fn = getattr(getattr(lib, "_lib", None), name, None)
         if fn is None:
