@@ -9,8 +9,9 @@ another:
 - an import inside a function (``def``, ``lambda``) is a *deferred* edge, any other (module body, class body,
   ``if``/``try`` at module level) a *module-level* one; both are counted: an import deferred only to dodge a cycle
   is still a cycle in the design;
-- importing ``a.b`` also runs ``a/__init__.py``; that implicit edge is not drawn (a package's ``__init__`` is not a
-  dependency its submodules chose).
+- importing ``a.b.c`` also runs ``a/b/__init__.py``: that implicit edge to each enclosing package is drawn too
+  (Python runs it), except from a module inside that package (its ``__init__`` is already running) and to the top
+  package (``flashdora/__init__.py`` imports nothing eagerly).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def import_edges(root: Path) -> list[Edge]:
                 target = _resolve(name, modules)
                 if target is not None and target != module:
                     edges.append(Edge(module, target, node.lineno, deferred))
+                    parts = target.split(".")
+                    for i in range(2, len(parts)):  # the enclosing packages' __init__, which Python runs first
+                        package = ".".join(parts[:i])
+                        if package in modules and package != module and not module.startswith(package + "."):
+                            edges.append(Edge(module, package, node.lineno, deferred))
     return edges
 
 
