@@ -24,6 +24,7 @@ CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [CSRC / "compose.cpp", CSRC / "norm.cpp", CSRC / "check.cpp"]  # (launch.h: included by the first two)
 _module = None  # the loaded extension
 _state = "idle"  # idle -> loaded | failed; "unbuilt": not in the cache, and nothing asked for a build yet
+seconds: float | None = None  # how long this process's build took (None: loaded from the cache, or no build)
 
 
 def enabled() -> bool:
@@ -65,7 +66,7 @@ def built() -> bool:
 def load(build: bool = True):
     """The extension, loaded on the first call of the process; ``None`` where it is switched off, failed, or (with
     ``build=False``) not built yet. ``build``: build it where the cache lacks it (synchronously: the caller waits)."""
-    global _module, _state
+    global _module, _state, seconds
     if _module is not None or _state == "failed" or not enabled() or (_state == "unbuilt" and not build):
         return _module
     fresh = not built()
@@ -84,7 +85,8 @@ def load(build: bool = True):
     _module = _compile(path)
     _state = "loaded" if _module is not None else "failed"
     if fresh and _module is not None:
-        print(f"flashdora: built {name()} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"flashdora: built {name()} in {seconds:.1f} s", file=sys.stderr, flush=True)
     return _module
 
 
