@@ -29,8 +29,6 @@ def _layer(d_out, d_in, r, w_dtype, ab_dtype, transposed=False, device="cuda"):
 def _use(ext, monkeypatch):
     """``ext`` as the loaded extension for this test (the norm's miss and the compose)."""
 
-    monkeypatch.setattr(native, "_module", ext)
-    monkeypatch.setattr(native, "_state", "ready")
     monkeypatch.setattr(native.build, "_module", ext)
 
 
