@@ -159,6 +159,7 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
     ``bitsandbytes.functional.dequantize_4bit``, nf4 and fp4, with and without double quantization, for every
     compute dtype, without calling that Python function."""
     from flashdora import native
+    from flashdora.native import bridge
     from flashdora.quant import dequant as bnb_dequant
 
     assert native.load() is not None
@@ -178,14 +179,14 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
     got = bnb_dequant.dequantized(layer)
     got_alias = bnb_dequant.dequantized(layer, layer.weight.detach())
     assert torch.equal(got, want) and torch.equal(got_alias, want) and got.data_ptr() != want.data_ptr()
-    bnb_dequant.bnb_kernel.cache_clear()
+    bridge.bnb_kernel.cache_clear()
     monkeypatch.setattr(bnb, "__version__", "0.49.0")  # a version the C++ path was not tested with
     try:
-        assert bnb_dequant.bnb_kernel(f"cdequantize_blockwise_{bnb_dequant._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
+        assert bridge.bnb_kernel(f"cdequantize_blockwise_{bridge._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
         with pytest.raises(AssertionError, match="dequantize_4bit ran"):
             bnb_dequant.dequantized(layer)
     finally:
-        bnb_dequant.bnb_kernel.cache_clear()
+        bridge.bnb_kernel.cache_clear()
 
 
 def test_dequantize_takes_bitsandbytes_python_function_off_cuda(monkeypatch):

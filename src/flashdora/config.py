@@ -105,6 +105,17 @@ def peft_tested() -> bool:
     return _PEFT_TESTED[0]
 
 
+def bnb_tested() -> bool:
+    """Whether the installed bitsandbytes is a version flashdora's uses of its internals were tested with
+    (``TESTED``: the exported kernels the C++ path calls, the private names ``quant.base`` reads)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    lo, hi = TESTED["bitsandbytes"]
+    return lo <= _minor(str(bnb.__version__)) <= hi
+
+
 _DEEPSPEED_TESTED: list[bool] = []
 
 

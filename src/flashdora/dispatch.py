@@ -74,6 +74,8 @@ def native_for(layer, x) -> bool:
     without grad) loads the extension, building it first where the cache lacks it; other calls use it only where it
     is already built. A call inside a backward (a checkpoint's recomputation) takes the answer the layer's last call
     outside one took: ``configure(native=...)`` between a forward and its backward changes nothing it saves."""
+    if torch.compiler.is_compiling():  # (compiled graphs: plain torch ops, no extension; nothing recorded)
+        return False
     d = layer.__dict__
     if "_flashdora_native" in d and config.private and _graph_task is not None and _graph_task() != -1:
         return d["_flashdora_native"]  # inside a backward: the recomputation takes what its forward took

@@ -132,7 +132,7 @@ def bnb_kernel(name: str) -> int:
     try:
         from bitsandbytes.cextension import lib
 
-        if not config.tested("bitsandbytes") or not getattr(lib, "compiled_with_cuda", 0):
+        if not config.bnb_tested() or not getattr(lib, "compiled_with_cuda", 0):
             return 0
         fn = getattr(getattr(lib, "_lib", None), name, None)
         if fn is None:

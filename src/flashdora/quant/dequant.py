@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashdora import backend, config
+from flashdora.config import bnb_tested  # noqa: F401 (quant.base asks it here)
 from flashdora.native import bridge
 
 _held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
@@ -88,17 +89,6 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     for i in range(0, data.shape[0], rows):
         torch.mul(data[i : i + rows] * scb[i : i + rows], _INT8_SCALE, out=out[i : i + rows])
     return out
-
-
-def bnb_tested() -> bool:
-    """Whether the installed bitsandbytes is a version flashdora's uses of its internals were tested with
-    (``config.TESTED``: the exported kernels the C++ path calls, the private names ``quant.base`` reads)."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    lo, hi = config.TESTED["bitsandbytes"]
-    return lo <= config._minor(str(bnb.__version__)) <= hi
 
 
 def hold(packed, state) -> torch.Tensor:
