@@ -31,12 +31,21 @@ def table_routes(text: str | None = None) -> set[tuple[str, str, str]]:
 
 
 def unlisted(seen) -> set[tuple[str, str, str]]:
-    return set(seen) - table_routes()
+    return set(seen) - dispatch.routes()
 
 
 def test_the_table_uses_only_defined_values():
-    for compose, norm, base in table_routes():
+    for compose, norm, base in dispatch.routes():
         assert compose in dispatch.COMPOSE and norm in dispatch.NORM and base in dispatch.BASE, (compose, norm, base)
+
+
+def test_design_md_holds_the_table_dispatch_keeps():
+    """docs/design.md's route table is ``dispatch.route_table()`` (regenerate it from there)."""
+    assert dispatch.route_table() in DESIGN.read_text(), (
+        "docs/design.md's route table differs from dispatch.ROUTES: paste the output of "
+        "`python -c 'from flashdora import dispatch; print(dispatch.route_table())'`"
+    )
+    assert table_routes() == dispatch.routes()
 
 
 def test_an_unlisted_route_fails_the_check():
@@ -45,6 +54,72 @@ def test_an_unlisted_route_fails_the_check():
     text = DESIGN.read_text()
     without = "\n".join(line for line in text.splitlines() if not line.startswith("| `eager` | `eager`"))
     assert ("eager", "eager", "module") not in table_routes(without)
+
+
+class _T:
+    """A stand-in tensor: the attributes ``dispatch`` reads."""
+
+    def __init__(self, dtype, cuda, meta=False):
+        self.dtype, self.is_cuda, self.is_meta = dtype, cuda, meta
+        self.device = "meta" if meta else "cuda" if cuda else "cpu"
+
+
+def reachable(monkeypatch) -> set[tuple[str, str, str]]:
+    """Every ``(compose, norm, base)`` that ``layer_route``, ``mixed_route``, ``linear_reference_route`` and
+    ``linear_route`` give, over every combination of the predicates they read: meta tensors, a fallback reason,
+    compiling, the base (``quant.base`` takes no shortcut on meta tensors or under compile), CUDA, Triton's
+    availability, a float64 input, float64 adapters, ``double_backward``, grad mode, the bias (none, frozen,
+    trained), dropout's exact form, the C++ extension, and the mixed path's own."""
+    from flashdora import backend, config
+
+    state = {}
+    monkeypatch.setattr(dispatch, "reason", lambda *args: state["why"])
+    monkeypatch.setattr(dispatch, "hooked_adapter", lambda *args: None)
+    monkeypatch.setattr(dispatch, "is_bnb", lambda base: state["base"] != "module")
+    monkeypatch.setattr(backend, "functorch_active", lambda: False)
+    monkeypatch.setattr(config, "peft_tested", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: state["compiling"])
+    monkeypatch.setattr(dispatch, "native_loaded", lambda x: state["native"] and x.is_cuda)
+    monkeypatch.setattr(
+        backend, "use_triton", lambda *ts: state["triton"] and all(t.dtype != torch.float64 for t in ts)
+    )
+    f32, f64 = torch.float32, torch.float64
+    seen = set()
+    grid = itertools.product(
+        [False, True], [None, "why"], [False, True], ["module", "layer", "bnb"], [False, True], [False, True],
+        [False, True], [False, True], [False, True], [False, True], [None, False, True], [False, True], [False, True],
+    )  # fmt: skip
+    for meta, why, compiling, base, cuda, triton, f64_in, f64_ad, double, grad, bias, lx, native in grid:
+        if base == "bnb" and (meta or compiling):
+            continue
+        state.update(why=why, base=base, compiling=compiling, triton=triton, native=native)
+        monkeypatch.setattr(config, "double_backward", double)
+        x = result = _T(f64 if f64_in else f32, cuda, meta)
+        weight = _T(f32, cuda, meta)
+        weight.__dict__ = {**weight.__dict__}
+        adapter = _T(f64 if f64_ad else f32, cuda)
+        b = None if bias is None else torch.nn.Parameter(torch.zeros(1), requires_grad=bias)
+        with torch.set_grad_enabled(grad):
+            route = dispatch.layer_route(
+                torch.nn.Module(), "a", None, weight, adapter, None, adapter, adapter, x, result, base, b, lx,
+                native and cuda,
+            )  # fmt: skip
+            seen.add(route[:3])
+            if base != "bnb":
+                seen.add(dispatch.mixed_route(torch.nn.Module(), ["a"], x, base, why)[:3])
+            if base == "module":
+                route = dispatch.linear_reference_route(x, weight)
+                if route is None and not meta:
+                    route = dispatch.linear_route(x, weight, b, adapter, adapter, adapter, result, lx)
+                if route is not None:
+                    seen.add(route[:3])
+    return seen
+
+
+def test_the_reachable_routes_are_the_table_both_ways(monkeypatch):
+    got = reachable(monkeypatch)
+    assert got - dispatch.routes() == set(), "routes the code can take that the table does not list"
+    assert dispatch.routes() - got == set(), "routes the table lists that no code path produces"
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])

@@ -51,6 +51,114 @@ class Route(NamedTuple):
 
 
 _F64 = torch.float64
+
+
+class RouteRow(NamedTuple):
+    """One row of the route table: every ``(compose, norm, base)`` in the product of its cells is a route."""
+
+    compose: tuple[str, ...]
+    norm: tuple[str, ...]
+    base: tuple[str, ...]
+    when: str
+    why: str
+    measured: str
+
+
+_ALL_BASES, _PLAIN_BASES = ("module", "layer", "bnb"), ("module", "layer")
+# The route table: docs/design.md's "Routes" is ``route_table()`` (tests/test_routes.py checks both, and that the
+# routes the functions below can produce are exactly these).
+ROUTES = (
+    RouteRow(
+        ("native",), ("native",), _ALL_BASES,
+        "CUDA, Triton, `native` on and the C++ extension loaded (`native_for`: built at the first call that trains, or "
+        "found built), no bias with dropout's exact form, no trainable bias (a call the C++ side declines for a fixed "
+        "property, such as alignment, runs the Triton path's code every time)",
+        "host time per layer call",
+        "8B training step 0.80x the `triton` route's at r = 16, fixed length, and 0.84x with a new token count every "
+        "step (one H200; docs/benchmarks.md, \"The C++ extension: whole-model A/B\")",
+    ),
+    RouteRow(
+        ("triton",), ("triton",), _ALL_BASES,
+        "CUDA with `native` off, the extension's build failed, or not built yet in a process that has not trained "
+        "(inference uses it only once built), an untested torch or Triton, a bias with dropout's exact form or a "
+        "trainable bias; the CPU under `TRITON_INTERPRET=1` with `backend=\"triton\"`",
+        "fused compose and norm kernels: memory-bound work in single passes",
+        "8B inference at r = 384: 0.87x PEFT LoRA's time (docs/benchmarks.md, \"Routes: whole-model measurements\"); "
+        "every `bench model` table against PEFT LoRA and DoRA",
+    ),
+    RouteRow(
+        ("eager",), ("eager",), _ALL_BASES,
+        "the CPU, float64, `backend=\"eager\"`, CUDA tensors off the current device; `bnb` only where tests add the CPU "
+        "to `quant.base.DEVICES`",
+        "the exact reference path, and the CPU", "none (correctness; no speed claim)",
+    ),
+    RouteRow(
+        ("eager",), ("triton", "native"), _ALL_BASES,
+        "a float64 input on float32 weights and adapters where their norm runs Triton (`backend=\"triton\"`, or CUDA)",
+        "keeps float64 inputs exact (the compose in float64; the norm, of float32 weights, in float32)", "none",
+    ),
+    RouteRow(
+        ("traced",), ("triton", "eager"), ("module",),
+        "inside `torch.compile` (`triton` norm on CUDA); a bitsandbytes base under compile runs PEFT's forward",
+        "no graph break: inductor fuses the compose; the norm is one opaque custom op over the cache",
+        "none yet; the alternative is PEFT's ops under compile",
+    ),
+    RouteRow(
+        ("double-eager",), ("eager", "triton", "native"), _ALL_BASES,
+        "a forward with grad under `flashdora.double_backward()` where the compose runs eager (the norm as for "
+        "`eager`, or a float64 input's)",
+        "PEFT's second-order gradients (`create_graph=True`): the compose returns `inner` as a second output",
+        "none: opt-in; first-order forwards never take it",
+    ),
+    RouteRow(
+        ("double-triton",), ("triton", "native"), _ALL_BASES,
+        "the same where the compose runs Triton", "the same", "none: opt-in",
+    ),
+    RouteRow(
+        ("mixed-triton",), ("triton", "native"), _PLAIN_BASES,
+        "a call with PEFT's `adapter_names` on CUDA (eval mode, no gradients): every named adapter of the layer in one "
+        "pack, `u = x A_all^T`, then one Triton launch (`kernels/mixed.py`)",
+        "several adapters (DoRA and LoRA) in one batch at about one adapter's cost",
+        "`flashdora bench serve` (README, \"Serving several adapters\")",
+    ),
+    RouteRow(
+        ("mixed-eager",), ("eager",), _PLAIN_BASES, "the same on the CPU or float64",
+        "the exact reference of the mixed path, and the CPU", "none",
+    ),
+    RouteRow(
+        ("mixed-traced",), ("triton", "eager"), _PLAIN_BASES,
+        "the same inside `torch.compile` (the pack and the scales built in the graph)",
+        "`generate` with a static cache under `mode=\"reduce-overhead\"`", "none",
+    ),
+    RouteRow(
+        ("peft",), ("-",), _ALL_BASES,
+        "`why`: `mixed-batch:<why>` (a mixed batch in training mode or with gradients, hooks, extra arguments: PEFT's "
+        "sub-batch loop, each DoRA adapter on its single-adapter route), hooks on the adapter modules or process-wide, "
+        "DeepSpeed ZeRO-3 on an untested DeepSpeed, a parameter not gathered or a `Conv1D` base, `torch.func`, a LoRA "
+        "bias, other base layers or quantizers, adapters on other devices, an input on another device, bitsandbytes "
+        "under `torch.compile`, an untested PEFT",
+        "whatever PEFT honours, flashdora honours", "PEFT's own",
+    ),
+    RouteRow(("meta",), ("-",), _PLAIN_BASES, "meta tensors (shapes only)", "meta-device initialisation", "n/a"),
+)  # fmt: skip
+
+
+def routes() -> set[tuple[str, str, str]]:
+    """Every ``(compose, norm, base)`` the table lists."""
+    return {(c, n, b) for row in ROUTES for c in row.compose for n in row.norm for b in row.base}
+
+
+def route_table() -> str:
+    """docs/design.md's route table, from ``ROUTES``."""
+    cell = lambda values: ", ".join(f"`{v}`" for v in values)  # noqa: E731
+    lines = [
+        "| compose | norm | base | when | why it exists | whole-model measurement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in ROUTES:
+        lines.append(f"| {cell(row.compose)} | {cell(row.norm)} | {cell(row.base)} | {row.when} | {row.why} | "
+                     f"{row.measured} |")  # fmt: skip
+    return "\n".join(lines)
 SEEN: set[tuple[str, str, str]] = set()  # every (compose, norm, base) taken in this process (the route table's test)
 _ROUTES: dict[tuple, Route] = {}  # interned routes: one tuple per kind, built once
 
@@ -94,11 +202,13 @@ def native_loaded(x) -> bool:
     return build._module is not None or build.load(torch.is_grad_enabled()) is not None
 
 
-def compose_impl(result: torch.Tensor, bias=None, has_lx_base: bool = False, native: bool | None = None) -> str:
+def compose_impl(
+    result: torch.Tensor, bias=None, has_lx_base: bool = False, native: bool | None = None, exact: bool = False
+) -> str:
     """``eager``, ``triton`` or ``native`` for an eager compose producing ``result``. The C++ side takes no bias with
     dropout's ``lx_base`` (PEFT's exact form never passes both) and no trainable bias. ``native``: ``native_for``'s
-    answer for the call (``None``: ``native_loaded``)."""
-    triton = backend.use_triton(result)
+    answer for the call (``None``: ``native_loaded``); ``exact``: a float64 adapter tensor (eager, as the norm)."""
+    triton = not exact and backend.use_triton(result)
     if config.double_backward and torch.is_grad_enabled():  # (flashdora.double_backward: ops/compose_grad2.py)
         return "double-triton" if triton else "double-eager"
     if not triton:
@@ -158,7 +268,8 @@ def layer_route(
         route = _route("traced", "triton" if result.is_cuda else "eager", base_kind)
     else:
         quantized = base_kind != "module"
-        compose = compose_impl(result, bias, has_lx_base, native)
+        exact = _F64 in (lora_A.dtype, lora_B.dtype, magnitude.dtype)
+        compose = compose_impl(result, bias, has_lx_base, native, exact)
         route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose, native), base_kind)
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
@@ -202,8 +313,8 @@ def linear_route(x, weight, bias, lora_A, lora_B, magnitude, result, has_lx_base
     ``x W^T + bias``)."""
     if torch.compiler.is_compiling():  # (the norm: decided inside the cache's custom op when it runs)
         return _route("traced", "triton" if x.is_cuda else "eager", "module")
-    compose = compose_impl(result, bias, has_lx_base)
-    return _route(compose, norm_impl(weight, lora_A, lora_B, magnitude), "module")
+    compose = compose_impl(result, bias, has_lx_base, exact=_F64 in (lora_A.dtype, lora_B.dtype, magnitude.dtype))
+    return _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, compose=compose), "module")
 
 
 def last_route(module, adapter: str) -> Route | None:
