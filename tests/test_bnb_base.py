@@ -78,7 +78,7 @@ def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
         model = qdora_model()
         flashdora.enable(model)
         if not share:
-            monkeypatch.setattr(bnb_dequant, "held", lambda packed, state: None)
+            monkeypatch.setattr(bnb_dequant, "kept_dense", lambda packed, state: None)
         calls = _count_dequantize(monkeypatch)
         _, logits, grads = train_step(model, make_ids(256))
         counts.append(len(calls))
@@ -87,7 +87,7 @@ def test_miss_takes_the_forwards_dense_weight(on_cpu, monkeypatch):
         monkeypatch.setattr(bnb_base, "DEVICES", ("cuda", "cpu"))
     assert counts[0] == counts[1] - len(_bases(model)), counts
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert bnb_dequant._held is None  # released at the end of each layer's call
+    assert bnb_dequant._dense is None  # released at the end of each layer's call
 
 
 def _hooked(layer):
@@ -189,13 +189,13 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
     with torch.no_grad():
         _, fresh = bnb_base.result(base, torch.randn(2, 8, base.in_features))
         packed, state = base.weight.detach(), base.weight.quant_state
-        assert fresh and torch.equal(bnb_dequant.held(packed, state), bnb.functional.dequantize_4bit(packed, state))
+        assert fresh and torch.equal(bnb_dequant.kept_dense(packed, state), bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)
-        assert bnb_dequant.held(packed, state) is None
+        assert bnb_dequant.kept_dense(packed, state) is None
     monkeypatch.setattr(flashdora.peft.variant, "flash_forward", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError), torch.no_grad():
         model(input_ids=make_ids(256))
-    assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_dequant._held is None
+    assert flashdora.stats().get("base:4bit", 0) > 0 and bnb_dequant._dense is None
 
 
 def _enabled_eval_twice(model):

@@ -8,7 +8,7 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
   dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
   is dequantized by bitsandbytes' own kernels launched from C++ (``quant.dequant``: the same bits), then ``F.linear``
   with the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a
-  norm-cache miss of the same layer needs: ``dequant.held`` hands it over (the miss then dequantizes nothing),
+  norm-cache miss of the same layer needs: ``dequant.kept_dense`` hands it over (the miss then dequantizes nothing),
   and ``release`` drops it once the layer's call is done.
 - ``Linear8bitLt`` (a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls the
   ``int8_scaled_mm`` op (``int8_mixed_scaled_mm`` above an outlier threshold); its backward dequantizes ``CB`` to the
@@ -142,7 +142,7 @@ class _Linear4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, state, bias):
-        w = dequant.hold(packed, state)
+        w = dequant.keep_dense(packed, state)
         ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
         ctx.state = state
         return F.linear(x, w, bias)
@@ -216,7 +216,7 @@ class _Linear8bit(torch.autograd.Function):
         return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None, None
 
 
-def result(base, x: torch.Tensor, native: bool) -> tuple[torch.Tensor, bool]:
+def result(base, x: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
     else it is the layer's own call. ``native``: the call may use the C++ extension (``dispatch.native_for``). The
     caller ``release``s once the layer's call is done (a ``finally``)."""
@@ -242,5 +242,5 @@ def _result4(x, xc, packed, state, bias):
     if torch.is_grad_enabled() and xc.requires_grad:
         out = _Linear4bit.apply(xc, packed, state, bias)
     else:
-        out = F.linear(xc, dequant.hold(packed, state), bias)
+        out = F.linear(xc, dequant.keep_dense(packed, state), bias)
     return out.to(x.dtype)

@@ -3,8 +3,8 @@
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
 ``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
-layer's base result itself, the 4-bit weight its forward dequantized is held here (``hold``) until the layer's call
-ends (``release``), and the miss takes it (``held``) instead of dequantizing again.
+layer's base result itself, the 4-bit weight its forward dequantized is kept here (``keep_dense``) until the layer's call
+ends (``release``), and the miss takes it (``kept_dense``) instead of dequantizing again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flashdora import backend, config
 from flashdora.config import bnb_tested  # noqa: F401 (quant.base asks it here)
 from flashdora.native import bridge
 
-_held: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
+_dense: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
 
 
 def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -27,7 +27,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
     extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
     C++ (``native.bridge.dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
-    layer's base result itself (``quant.base``), the weight that forward dequantized (``held``). An 8-bit weight comes
+    layer's base result itself (``quant.base``), the weight that forward dequantized (``kept_dense``). An 8-bit weight comes
     in ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
@@ -35,7 +35,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         kind = type(weight).__name__
         if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
             packed = weight.data if packed is None else packed
-            out = held(packed, weight.quant_state)  # the layer's forward has just dequantized it
+            out = kept_dense(packed, weight.quant_state)  # the layer's forward has just dequantized it
             return dequantize_4bit(packed, weight.quant_state) if out is None else out
         if kind == "Int8Params":
             out = _dequantize_int8(base, weight.data if packed is None else packed, dtype or torch.float32)
@@ -91,24 +91,24 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return out
 
 
-def hold(packed, state) -> torch.Tensor:
-    """The dense weight (``dequantize_4bit``), held for the layer's norm-cache miss (``held``)."""
-    global _held
+def keep_dense(packed, state) -> torch.Tensor:
+    """The dense weight (``dequantize_4bit``), kept for the layer's norm-cache miss (``kept_dense``)."""
+    global _dense
     w = dequantize_4bit(packed, state)
-    _held = (packed.data_ptr(), packed._version, state, w)
+    _dense = (packed.data_ptr(), packed._version, state, w)
     return w
 
 
-def held(packed: torch.Tensor, state) -> torch.Tensor | None:
+def kept_dense(packed: torch.Tensor, state) -> torch.Tensor | None:
     """The dense weight the last ``quant.base.result`` dequantized, if it is ``packed``'s under ``state`` at its
     version now."""
-    got = _held
+    got = _dense
     if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:
         return None
     return got[3]
 
 
 def release() -> None:
-    """Drop the held dense weight (the end of a layer's call)."""
-    global _held
-    _held = None
+    """Drop the kept dense weight (the end of a layer's call)."""
+    global _dense
+    _dense = None
