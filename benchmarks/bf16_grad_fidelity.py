@@ -10,7 +10,7 @@ Two views: the whole model (each implementation's gradient after its own bf16 fo
 rounding included), and one layer in isolation (``--layer``; the reference run's input and output gradient of that
 layer, rounded to bf16, fed to each implementation's copy of the layer and judged against float64 of the same
 inputs: only the layer's own rounding). flashdora runs once per ``--routes`` entry (``eager``, ``triton``, ``native``:
-the C++ node, after ``--warmup`` steps that file its launch plans).
+the C++ node; ``--warmup`` passes run before the measured one).
 
     python benchmarks/bf16_grad_fidelity.py --out /tmp/fidelity.md                     # GPU: llama3-8b widths
     python benchmarks/bf16_grad_fidelity.py --preset small --device cpu --routes eager --out /tmp/f.md
@@ -94,15 +94,6 @@ def build(args, seed: int):
     return ref, peft_m.to(args.device)
 
 
-def _file_native_plans() -> None:
-    """A quiet point for flashdora's C++ path: wait for its build, file the plans the last step's calls queued."""
-    from flashdora import native
-
-    wait = getattr(native, "module", None)  # (the C++ path's loading is being redesigned: issue 54)
-    if wait is not None:
-        wait(wait=True)
-
-
 def grads(model, ids, autocast: bool, device: str, warmup: int = 0, hook=None):
     """``({name: float64 gradient}, loss)`` after ``warmup`` unmeasured passes and one measured forward and
     backward on ``ids``; ``hook(model)`` runs before the measured pass."""
@@ -114,8 +105,6 @@ def grads(model, ids, autocast: bool, device: str, warmup: int = 0, hook=None):
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if i < warmup and device.startswith("cuda"):
-            _file_native_plans()
     out = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
     return out, float(loss.detach())
 
@@ -157,8 +146,6 @@ def isolated(args, name: str, ref, peft_m, flash: dict, store: dict) -> dict[str
             with torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=label != "ref"):
                 y = mod(x.double() if label == "ref" else x)
             y.backward(dy.to(y.dtype))
-            if route == "native":
-                _file_native_plans()
         got[label] = {short(n): p.grad.double().cpu() for n, p in mod.named_parameters() if p.grad is not None}
     for label, g in got.items():
         if label != "ref":
