@@ -153,7 +153,7 @@ def check(wrap: str, steps: int) -> None:
         ref_losses, ref_adapters = reference(steps, data)
     model, inner = wrapped(wrap, build().state_dict())
     flashdora.enable(inner)  # (again for fsdp2-early: idempotent)
-    path = "flashdora:triton" if DEVICE.type == "cuda" else "flashdora:eager"  # (before any call: predicted)
+    path = "flashdora:not run"  # (before any call: report() predicts nothing)
     report = flashdora.report(inner, print_table=False)  # (sharded weights at rest are DTensors)
     if f"DoRA layers by path: {path}: {N_LAYERS}" not in report:
         raise AssertionError(f"{wrap}: report() says\n{report}")

@@ -11,11 +11,16 @@ def test_report_lists_every_dora_layer_with_its_path(capsys):
     assert "DoRA layers by path: peft: 14" in text
     flashdora.enable(model)
     flashdora.reset_stats()
+    assert "DoRA layers by path: flashdora:not run: 14" in flashdora.report(model, print_table=False)
+    import torch
+
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, 4)))
     text = flashdora.report(model, print_table=True)
-    assert "DoRA layers by path: flashdora:eager: 14" in text
-    assert "layers.1.mlp.down_proj" in text
+    assert "DoRA layers by path: flashdora:eager: 14" in text  # one route column: what dispatch recorded
+    assert "layers.1.mlp.down_proj" in text and "flashdora:eager/eager/module" in text
     printed = capsys.readouterr().out
-    assert "flashdora report" in printed and "flashdora:eager" in printed
+    assert "flashdora report" in printed and "flashdora:eager/eager/module" in printed
 
 
 def test_report_shows_the_counters():
@@ -55,7 +60,7 @@ def test_report_prints_whole_module_names(capsys):
     printed = capsys.readouterr().out
     for name in names:
         assert name in text and name in printed  # whole, on one line: q_proj and k_proj told apart
-    assert "DoRA layers by path: flashdora:eager: 2" in printed
+    assert "DoRA layers by path: flashdora:not run: 2" in printed
 
 
 def test_report_names_each_layers_dropout_mode():

@@ -20,7 +20,7 @@ def _dropout(module, adapter: str, path: str) -> str:
     return f"p={p:g} {dropout_mode(module) if path.startswith('flashdora') else 'exact'}"
 
 
-def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str, str]]:
+def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str]]:
     from peft.tuners.lora.layer import LoraLayer
 
     from flashdora.dispatch import explain
@@ -33,18 +33,19 @@ def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str, str]]:
         base = type(module.get_base_layer()).__name__
         for adapter in module.lora_variant:
             path = layer_path(module, adapter)
-            route = explain(module, adapter) if path.startswith("flashdora") else "-"
-            rows.append((name, adapter, base, path, route, _dropout(module, adapter, path)))
+            route = f"flashdora:{explain(module, adapter)}" if path.startswith("flashdora") else path
+            rows.append((name, adapter, base, route, _dropout(module, adapter, path)))
     return rows
 
 
 def report(model: nn.Module, *, print_table: bool = True) -> str:
     """A table of every DoRA (module, adapter) of a PEFT ``model`` with its path, plus the call counters.
 
-    Paths: ``flashdora:<compose>`` (``native``: C++ over the Triton kernels, ``triton``, ``eager``, ``traced``: inside
-    ``torch.compile``), ``peft`` (flashdora off for it), ``peft:<reason>`` (not handled: the reason says why). Route:
-    what the layer's last call ran, ``compose/norm/base`` (the norm: what a cache miss runs; the base: ``module``, a
-    bitsandbytes ``layer``'s own call, or ``bnb``, flashdora's call of bitsandbytes' ops), or ``not run``. Dropout:
+    Route: what the layer's last call ran, as ``dispatch`` recorded it: ``flashdora:<compose>/<norm>/<base>``
+    (compose ``native``: the C++ forward and node over the Triton kernels, ``triton``, ``eager``, ``traced``: inside
+    ``torch.compile``...; the norm: what a cache miss runs; the base: ``module``, a bitsandbytes ``layer``'s own
+    call, or ``bnb``, flashdora's call of bitsandbytes' ops), ``flashdora:not run``, ``peft`` (flashdora off for
+    it) or ``peft:<reason>`` (not handled: the reason says why; docs/design.md, "Routes"). Dropout:
     ``-`` (none), ``p=<p> exact`` (PEFT's function) or ``p=<p> adapter`` (``enable(..., dropout="adapter")``).
     Returns the text; prints it (through rich when installed) unless
     ``print_table=False``.
@@ -52,10 +53,10 @@ def report(model: nn.Module, *, print_table: bool = True) -> str:
     if not isinstance(model, nn.Module):
         raise TypeError(f"report: model expected a torch.nn.Module, got {type(model).__name__}")
     rows = _rows(model)
-    totals = Counter(path for _, _, _, path, _, _ in rows)
+    totals = Counter(route.split("/")[0] for _, _, _, route, _ in rows)
     width = max([len(r[0]) for r in rows] + [6])
-    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<12} {'path':<18} {'route':<22} dropout"]
-    lines += [f"{n:<{width}}  {a:<10} {b:<12} {p:<18} {r:<22} {d}" for n, a, b, p, r, d in rows]
+    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<12} {'route':<32} dropout"]
+    lines += [f"{n:<{width}}  {a:<10} {b:<12} {r:<32} {d}" for n, a, b, r, d in rows]
     summary = ", ".join(f"{p}: {c}" for p, c in sorted(totals.items())) or "no DoRA layers found"
     lines.append(f"DoRA layers by path: {summary}")
     lines.append(f"calls since reset_stats(): {dict(sorted(backend.stats().items())) or '{}'}")
@@ -74,7 +75,7 @@ def _print(rows, footer) -> None:
         return
     table = Table(title="flashdora report")
     table.add_column("module", no_wrap=True)
-    for col in ("adapter", "base", "path", "route", "dropout"):
+    for col in ("adapter", "base", "route", "dropout"):
         table.add_column(col)
     for row in rows:
         table.add_row(*row, style=None if row[3].startswith("flashdora") else "yellow")

@@ -188,8 +188,7 @@ def unpatch_peft() -> None:
 
 def layer_path(module: LoraLayer, adapter: str) -> str:
     """The path a DoRA adapter of ``module`` takes: ``flashdora:<compose>`` (the compose of the route its last call
-    took, ``dispatch``; before any call, the one it would take on its weight's device), ``peft`` or
-    ``peft:<reason>``."""
+    took, ``dispatch``; ``flashdora:not run`` before any call), ``peft`` or ``peft:<reason>``."""
     kind = type(module.lora_variant.get(adapter))
     if kind in _OTHER_DORA or kind in _counting_classes.values():
         return f"peft:{_OTHER_DORA.get(kind) or _OTHER_DORA[kind.__mro__[1]]}"
@@ -199,7 +198,6 @@ def layer_path(module: LoraLayer, adapter: str) -> str:
     if reason is not None:
         return f"peft:{reason}"
     route = dispatch.last_route(module, adapter)
-    if route is not None:
-        return f"peft:{route.why}" if route.compose == "peft" else f"flashdora:{route.compose}"
-    weight = module.get_base_layer().weight
-    return "flashdora:triton" if backend.use_triton(weight) else "flashdora:eager"
+    if route is None:
+        return "flashdora:not run"
+    return f"peft:{route.why}" if route.compose == "peft" else f"flashdora:{route.compose}"
