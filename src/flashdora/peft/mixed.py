@@ -343,6 +343,8 @@ def _pack(module, base, adapters, x, route) -> Pack:
         held = _held(module, base, adapters, x)
         module.__dict__[_PACK] = None if held is None else pack
         module.__dict__[_HELD] = held
+    elif not compiling and not _keeps(module):
+        forget(module)  # (the cache off: nothing kept from before is served once it is on again)
     return pack
 
 
