@@ -103,12 +103,12 @@ def test_settings_are_read_once_and_changed_by_configure(monkeypatch):
     before = flashdora.configure(backend="eager", norm_cache=True)
     assert before["backend"] == "auto" and not before["norm_cache"]
     assert backend.requested_backend() == "eager" and cache_enabled()
-    with config.override(backend="TRITON"):
+    with config.override(backend="triton"):
         assert backend.requested_backend() == "triton"
     assert backend.requested_backend() == "eager"
     with pytest.raises(ValueError, match="configure: backend expected one of auto, triton, eager, got 'cuda'"):
         flashdora.configure(backend="cuda")
-    with pytest.raises(TypeError, match="configure: native expected a bool, got str"):
+    with pytest.raises(ValueError, match="configure: native expected one of True, False, got '0'"):
         flashdora.configure(native="0")
     with pytest.raises(TypeError, match="configure: unknown setting 'nativ'; expected one of backend, native"):
         flashdora.configure(nativ=False)
@@ -186,3 +186,34 @@ def test_untested_versions_take_the_plain_launch(monkeypatch):
 class _Refusing(dict):
     def get(self, *args):
         raise AssertionError("the fast launch path ran on an untested version")
+
+
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("backend", "TRITON", "auto, triton, eager"),
+        ("backend", " eager", "auto, triton, eager"),
+        ("backend", "", "auto, triton, eager"),
+        ("backend", None, "auto, triton, eager"),
+        ("backend", True, "auto, triton, eager"),
+        ("native", 1, "True, False"),
+        ("norm_cache", 0, "True, False"),
+        ("private_apis", "off", "True, False"),
+        ("static_launch", None, "True, False"),
+        ("autotune", 1.0, "True, False"),
+        ("double_backward", torch.tensor(True), "True, False"),
+    ],
+)  # fmt: skip
+def test_configure_accepts_only_documented_values(name, value, allowed):
+    """``configure`` takes only the values its docstring lists (a backend's name as written, ``True`` or ``False``
+    for a switch): anything else is a ``ValueError`` naming the setting and the allowed values, and changes
+    nothing."""
+    import flashdora
+
+    before = config.current()
+    with pytest.raises(ValueError, match=f"configure: {name} expected one of {allowed}, got"):
+        flashdora.configure(**{name: value})
+    assert config.current() == before
+    for good in config.BACKENDS if name == "backend" else (True, False):
+        with config.override(**{name: good}):
+            assert config.current()[name] == good

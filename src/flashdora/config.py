@@ -192,14 +192,11 @@ def configure(**settings) -> dict:
     for name, value in settings.items():
         if name not in NAMES:
             raise TypeError(f"configure: unknown setting {name!r}; expected one of {', '.join(NAMES)}")
-        if name == "backend":
-            if not isinstance(value, str):
-                raise TypeError(f"configure: backend expected a str, got {type(value).__name__}")
-            values[name] = _backend(value, "configure: backend")
-        elif not isinstance(value, bool):
-            raise TypeError(f"configure: {name} expected a bool, got {type(value).__name__}")
-        else:
-            values[name] = value
+        allowed = BACKENDS if name == "backend" else (True, False)
+        # (exactly the documented values: no other spelling of a backend, no 0/1 or numpy bool for a switch)
+        if not any(value is a or (type(value) is str and value == a) for a in allowed):
+            raise ValueError(f"configure: {name} expected one of {', '.join(map(str, allowed))}, got {value!r}")
+        values[name] = value
     _apply(values)
     return before
 

@@ -46,8 +46,11 @@ def build_pack(adapters, lora_As, lora_Bs, scalings, dora_scales) -> Pack:
         f32, i32 = torch.float32, torch.int32
         col_slot = torch.cat([torch.full((r,), k, dtype=i32, device=device) for k, r in enumerate(ranks, 1)])
         col_scale = torch.cat([torch.full((r,), s, dtype=f32, device=device) for r, s in zip(ranks, scalings)])
-        col_mask = torch.zeros(len(adapters) + 1, total, dtype=lora_A.dtype, device=device)
-        col_mask.scatter_(0, col_slot.long()[None], col_scale.to(lora_A.dtype)[None])
+        # (the mask's scalings straight from the Python floats, in the adapters' dtype: float64 stays exact)
+        a_dtype = lora_A.dtype
+        mask_scale = torch.cat([torch.full((r,), s, dtype=a_dtype, device=device) for r, s in zip(ranks, scalings)])
+        col_mask = torch.zeros(len(adapters) + 1, total, dtype=a_dtype, device=device)
+        col_mask.scatter_(0, col_slot.long()[None], mask_scale[None])
         dtype = torch.float64 if any(s is not None and s.dtype == torch.float64 for s in dora_scales) else f32
         scales = torch.zeros(len(adapters) + 1, 2, d_out, dtype=dtype, device=device)
         scales[:, 0] = 1.0

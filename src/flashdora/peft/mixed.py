@@ -125,14 +125,42 @@ def reason(module, adapters, x, args, kwargs) -> str | None:
             grad = grad or (torch.is_grad_enabled() and magnitude.requires_grad)
         if hook is not None:
             return f"hooks:{hook}"
-        if (hook := hooked(mods["lora_dropout"]._modules[adapter])) is not None:
+        dropout = mods["lora_dropout"]._modules[adapter]
+        if (hook := hooked(dropout)) is not None:
             return f"hooks:{hook}"
+        if kind is None and (why := _dropout_reason(dropout)) is not None:
+            return why
+        if (why := _params_reason(mods, adapter)) is not None:
+            return why
         if dtype is not None and lora_A.dtype != dtype:
             return "dtypes:adapters of different dtypes"
         dtype = lora_A.dtype
         grad = grad or (torch.is_grad_enabled() and (lora_A.requires_grad or lora_B.requires_grad))
     if grad:
         return "grad"  # (gradients: PEFT's loop, whose DoRA adapters run flashdora's differentiable route)
+    return None
+
+
+def _dropout_reason(dropout) -> str | None:
+    """Why a LoRA adapter's dropout module is not the identity PEFT's loop would call in eval mode, else ``None``:
+    PEFT calls it on the adapter's sub-batch whatever the layer's mode (a DoRA adapter's only in training mode)."""
+    kind = type(dropout)
+    if kind is nn.Identity or (kind is nn.Dropout and not dropout.training):
+        return None
+    return "dropout:training" if kind is nn.Dropout else f"dropout:{dropout._get_name()}"
+
+
+_MODULE_DICTS = ("lora_A", "lora_B", "lora_magnitude_vector")
+
+
+def _params_reason(mods, adapter) -> str | None:
+    """A parameter other than ``weight`` on an adapter's A, B or magnitude module (a bias PEFT's module call adds;
+    the fused compose reads ``weight`` only): ``params:<dict>.<name>`` (``lora_B``'s bias: ``lora_bias``)."""
+    for name in _MODULE_DICTS:
+        layer = mods[name]._modules.get(adapter)
+        for key, value in ({} if layer is None else layer._parameters).items():
+            if key != "weight" and value is not None:
+                return "lora_bias" if (name, key) == ("lora_B", "bias") else f"params:{name}.{key}"
     return None
 
 
@@ -151,6 +179,9 @@ class _Held(NamedTuple):
     ptrs: tuple
     storage: list  # the tensors detached: their storage lives as long as the pack (no id or address reused)
     epoch: list  # [torch.utils.hooks.RemovableHandle.next_id] when ``modules`` were last found without hooks
+    keys: tuple  # the parameter names of each of ``owners`` ...
+    nones: tuple  # ... and (``_parameters``, name) of each but ``weight``, all ``None`` (``_params_reason``)
+    dropouts: tuple  # the LoRA adapters' ``nn.Dropout`` modules, in eval mode (``_dropout_reason``)
 
 
 _ADAPTER_DICTS = ("lora_A", "lora_B", "lora_dropout")
@@ -158,6 +189,8 @@ _VERSION = operator.attrgetter("_version")
 _PTR = torch.Tensor.data_ptr
 _WEIGHT = itertools.repeat("weight")
 _FORWARD = itertools.repeat("forward")
+_TRAINING = operator.attrgetter("training")
+_NONE = itertools.repeat(None)
 
 
 def _hook_epoch() -> int | None:
@@ -183,7 +216,7 @@ def _held(module, base, adapters, x) -> _Held | None:
     parameter (a parametrization computes it on each read) or is an inference tensor (no version counter): nothing
     to keep."""
     mods = module._modules
-    parents, modules, tensors, owners = [], [], [], []
+    parents, modules, tensors, owners, dropouts = [], [], [], [], []
     for adapter in adapters:
         names = _ADAPTER_DICTS + (("lora_magnitude_vector",) if adapter in module.lora_variant else ())
         for name in names:
@@ -197,12 +230,16 @@ def _held(module, base, adapters, x) -> _Held | None:
                     return None
                 tensors.append(params["weight"])
                 owners.append(params)
+            elif type(layer) is nn.Dropout and adapter not in module.lora_variant:
+                dropouts.append(layer)
     if param(base, "weight").is_inference() or any(t.is_inference() for t in tensors):
         return None
+    nones = tuple((params, key) for params in owners for key in params if key != "weight")
     return _Held(
         _key(module, base, adapters, x), tuple(parents), tuple(modules), tuple(map(type, modules)),
         tuple(m.__dict__ for m in modules), tuple(tensors), tuple(owners), tuple(map(_VERSION, tensors)),
-        tuple(map(_PTR, tensors)), [t.detach() for t in tensors], [_hook_epoch()],
+        tuple(map(_PTR, tensors)), [t.detach() for t in tensors], [_hook_epoch()], tuple(map(tuple, owners)),
+        nones, tuple(dropouts),
     )  # fmt: skip
 
 
@@ -224,11 +261,16 @@ def _kept(module, base, adapters, x, args, kwargs) -> Pack | None:
     return pack
 
 
+def _keeps(module) -> bool:
+    """Whether the layer may keep a pack: the norm cache on, process-wide and for its model (``enable``)."""
+    return norm_cache.cache_enabled() and module.__dict__.get("_flashdora_norm_cache", True)
+
+
 def _unchanged(module, base, adapters, x) -> bool:
     """Whether the layer's kept pack was built from what this call would build it from, and no module PEFT would
     call for it has gained a hook, an instance ``forward`` or another class since (``hooked``)."""
     held = module.__dict__.get(_HELD)
-    if held is None or not norm_cache.cache_enabled() or watch.fsdp_hook is not None or (x.is_cuda and capturing()):
+    if held is None or not _keeps(module) or watch.fsdp_hook is not None or (x.is_cuda and capturing()):
         # (FSDP2 re-fills gathered weights in place: the norm cache's shard keys, every call; a CUDA graph being
         # captured builds its own pack, so that each replay reads the weights as they are then)
         return False
@@ -248,8 +290,13 @@ def _unchanged(module, base, adapters, x) -> bool:
             and tuple(map(type, held.modules)) == held.types
             and not any(map(operator.contains, held.dicts, _FORWARD))
         )  # fmt: skip
-    if not same:
-        return False
+    if (
+        not same
+        or tuple(map(tuple, held.owners)) != held.keys
+        or not all(map(operator.is_, itertools.starmap(dict.get, held.nones), _NONE))
+        or any(map(_TRAINING, held.dropouts))
+    ):  # fmt: skip
+        return False  # (a parameter registered on an adapter's module, a LoRA adapter's dropout in training mode)
     epoch = _hook_epoch()
     if epoch is None or epoch != held.epoch[0]:  # a hook was registered somewhere since the last check
         if hooked(*held.modules) is not None:
@@ -293,10 +340,12 @@ def _pack(module, base, adapters, x, route) -> Pack:
                 base if quantized else None, x.dtype, impl=route.norm,
             ))  # fmt: skip
     pack = build_pack(adapters, lora_As, lora_Bs, scalings, scales)
-    if not compiling and norm_cache.cache_enabled() and not (x.is_cuda and capturing()):
+    if not compiling and _keeps(module) and not (x.is_cuda and capturing()):
         held = _held(module, base, adapters, x)
         module.__dict__[_PACK] = None if held is None else pack
         module.__dict__[_HELD] = held
+    elif not compiling and not _keeps(module):
+        forget(module)  # (the cache off: nothing kept from before is served once it is on again)
     return pack
 
 

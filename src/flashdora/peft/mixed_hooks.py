@@ -72,17 +72,18 @@ class _Layers(list):
 
 
 def _layers(self) -> tuple:
-    """``(flashdora's LoRA layers, PEFT's other LoRA layers and wrappers, whether the model has an encoder)``."""
+    """``(the model's LoRA layers and wrappers, whether the model has an encoder)``. Which of them read the names
+    from ``NAMES`` is asked at each call, from their class: ``enable`` and ``disable`` of one layer re-class it."""
     kept = self.__dict__.get("_flashdora_layers")
     if kept and kept[0] == _structure:
         return kept[1]
-    ours, others = [], []
+    layers = []
     for module in self.modules():
         _members.add(module)
         if isinstance(module, _KINDS):
-            (ours if getattr(type(module), "_flashdora_reads_names", False) else others).append(module)
+            layers.append(module)
     encoder = lora_model._get_encoder(self.model) is not None
-    lists = (ours, others, encoder)
+    lists = (tuple(layers), encoder)
     self.__dict__["_flashdora_layers"] = _Layers([_structure, lists])
     return lists
 
@@ -93,18 +94,19 @@ def fast_hooks(self, *args, **kwargs):
     names = kwargs.get("adapter_names")
     num_beams = kwargs.get("num_beams")
     beams = isinstance(num_beams, int) and num_beams > 1
-    ours, others, encoder = _layers(self) if names is not None else ((), (), False)
+    layers, encoder = _layers(self) if names is not None else ((), False)
     if names is None or kwargs.get("alora_offsets") is not None or beams or encoder:
         with _PEFT_HOOKS(self, *args, **kwargs):
             yield
         return
     if self.training:
         raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
-    expected = set()
-    for layer in (*ours, *others):
+    expected, ours, others = set(), [], []
+    for layer in layers:
         if isinstance(layer, LoraLayer):
             expected |= layer.lora_A.keys()
             expected |= layer.lora_embedding_A.keys()
+        (ours if getattr(type(layer), "_flashdora_reads_names", False) else others).append(layer)
     unexpected = {name for name in names if name != "__base__"} - expected
     if unexpected:
         raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")

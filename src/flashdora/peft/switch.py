@@ -126,6 +126,7 @@ def enable(model: nn.Module, *, norm_cache: bool = True, dropout: str = "exact")
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module.__dict__["_flashdora_dropout"] = dropout
+            module.__dict__["_flashdora_norm_cache"] = norm_cache  # (a mixed batch keeps a pack only where on)
     _swap_variants(model, FlashDoraLinearVariant, norm_cache)
     peft_layers.swap_linear_class(model, config.peft_tested())  # (PEFT's private surface: tested versions only)
     mixed_hooks.install(model)  # (adapter_names without PEFT's per-call module walks)
@@ -145,6 +146,7 @@ def disable(model: nn.Module) -> nn.Module:
     watch_writes(model, False)
     for module in model.modules():
         module.__dict__.pop("_flashdora_dropout", None)
+        module.__dict__.pop("_flashdora_norm_cache", None)
     return model
 
 
