@@ -168,3 +168,27 @@ def test_mixed_float64_is_exact():
     out = mixed(model, ids, NAMES)
     assert flashdora.stats().get("mixed-eager") == 14
     assert rel_err(out, ref) <= 1e-13, rel_err(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["single", "mixed"])
+def test_a_bias_on_a_dora_adapters_lora_A_runs_pefts_function(mode):
+    """A bias registered on a DoRA adapter's ``lora_A`` (PEFT's module call adds it; the fused compose reads only
+    the weight): the single path runs PEFT's forward there, counted, and so does PEFT's per-adapter loop of a mixed
+    batch; every row PEFT's (it was 0.27 relative off on the single path)."""
+    model = build()
+    ids = ids_for(NAMES)
+    layer = _layer(model, 1, "up_proj")
+    with torch.no_grad():
+        layer.lora_A["d1"].bias = nn.Parameter(torch.randn(8))
+    flashdora.reset_stats()
+    if mode == "single":
+        model.set_adapter("d1")
+        with torch.no_grad():
+            out = flashdora.enable(model)(input_ids=ids).logits
+            want = flashdora.disable(model)(input_ids=ids).logits
+        assert flashdora.stats().get("peft_fallback:params:lora_A.bias") == 1
+    else:
+        out = mixed(model, ids, NAMES)
+        want = per_adapter(model, ids, NAMES)
+    assert rel_err(out, want) <= 1e-5
+    assert "peft:params:lora_A.bias" in flashdora.report(flashdora.enable(model), print_table=False)

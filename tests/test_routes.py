@@ -74,6 +74,7 @@ def reachable(monkeypatch) -> set[tuple[str, str, str]]:
 
     state = {}
     monkeypatch.setattr(dispatch, "reason", lambda *args: state["why"])
+    monkeypatch.setattr(dispatch, "params_reason", lambda *args: None)
     monkeypatch.setattr(dispatch, "hooked_adapter", lambda *args: None)
     monkeypatch.setattr(dispatch, "is_bnb", lambda base: state["base"] != "module")
     monkeypatch.setattr(backend, "functorch_active", lambda: False)

@@ -28,7 +28,7 @@ import torch
 
 from flashdora import backend, config
 from flashdora.native import build
-from flashdora.peft.support import hooked_adapter, is_bnb, reason
+from flashdora.peft.support import hooked_adapter, is_bnb, params_reason, reason
 
 COMPOSE = (
     "peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton",
@@ -239,7 +239,7 @@ def norm_impl(
 def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, result) -> str | None:
     """Why this call runs PEFT's own forward, or ``None``. The order is ``report()``'s
     (``peft.support.unsupported_reason`` gives the static part)."""
-    why = reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude)
+    why = reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude) or params_reason(module._modules, adapter)
     if why is None and (hook := hooked_adapter(module, adapter)) is not None:
         why = f"hooks:{hook}"  # PEFT calls these modules; flashdora reads their weights
     if why is None and backend.functorch_active():

@@ -27,6 +27,7 @@ from flashdora.ops.mixed import Pack, build_pack, mixed_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.peft import variant, watch
 from flashdora.peft.support import global_hooks, hooked, hooked_adapter, is_bnb, param
+from flashdora.peft.support import params_reason as _params_reason
 from flashdora.peft.support import reason as support_reason
 
 _PACK, _HELD = "_flashdora_mixed", "_flashdora_mixed_held"  # a layer's kept pack, what it was built from
@@ -148,20 +149,6 @@ def _dropout_reason(dropout) -> str | None:
     if kind is nn.Identity or (kind is nn.Dropout and not dropout.training):
         return None
     return "dropout:training" if kind is nn.Dropout else f"dropout:{dropout._get_name()}"
-
-
-_MODULE_DICTS = ("lora_A", "lora_B", "lora_magnitude_vector")
-
-
-def _params_reason(mods, adapter) -> str | None:
-    """A parameter other than ``weight`` on an adapter's A, B or magnitude module (a bias PEFT's module call adds;
-    the fused compose reads ``weight`` only): ``params:<dict>.<name>`` (``lora_B``'s bias: ``lora_bias``)."""
-    for name in _MODULE_DICTS:
-        layer = mods[name]._modules.get(adapter)
-        for key, value in ({} if layer is None else layer._parameters).items():
-            if key != "weight" and value is not None:
-                return "lora_bias" if (name, key) == ("lora_B", "bias") else f"params:{name}.{key}"
-    return None
 
 
 class _Held(NamedTuple):

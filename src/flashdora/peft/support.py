@@ -23,8 +23,23 @@ def unsupported_reason(module: LoraLayer, adapter: str) -> str | None:
         base, param(base, "weight"), param(mods["lora_A"]._modules[adapter], "weight"), lora_B_layer,
         param(lora_B_layer, "weight"), param(mods["lora_magnitude_vector"]._modules[adapter], "weight"), at_rest=True,
     )  # fmt: skip
+    why = why or params_reason(mods, adapter)
     hook = None if why is not None else hooked_adapter(module, adapter)  # (flash_forward's order: its answer)
     return why if hook is None else f"hooks:{hook}"
+
+
+_MODULE_DICTS = ("lora_A", "lora_B", "lora_magnitude_vector")
+
+
+def params_reason(mods, adapter) -> str | None:
+    """A parameter other than ``weight`` on an adapter's A, B or magnitude module (a bias PEFT's module call adds;
+    the fused compose reads ``weight`` only): ``params:<dict>.<name>`` (``lora_B``'s bias: ``lora_bias``)."""
+    for name in _MODULE_DICTS:
+        layer = mods[name]._modules.get(adapter)
+        for key, value in ({} if layer is None else layer._parameters).items():
+            if key != "weight" and value is not None:
+                return "lora_bias" if (name, key) == ("lora_B", "bias") else f"params:{name}.{key}"
+    return None
 
 
 # The forward runs once per layer call, where host time is the bottleneck: it reads submodules and parameters from
