@@ -2,9 +2,10 @@
 
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
-``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
-layer's base result itself, the 4-bit weight its forward dequantized is kept here (``keep_dense``) until the layer's call
-ends (``release``), and the miss takes it (``kept_dense``) instead of dequantizing again.
+``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where
+``quant.base.result`` computed the layer's base result itself, the 4-bit weight its forward dequantized is kept here
+(``keep_dense``) until the layer's call ends (``release``), and the miss takes it (``kept_dense``) instead of
+dequantizing again.
 """
 
 from __future__ import annotations
