@@ -24,10 +24,9 @@ from flashdora.kernels.scales import finish, outputs, scales_plan
 
 
 def _partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
-    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` (their column sums are the squared norms,
-    ``||W||^2`` included): ``norm_gemm`` for 16-bit ``weight`` (the GEMMs on cuBLAS, one Triton epilogue),
-    ``norm_fp32``'s fused kernel for float32, float32-accurate (3-pass TF32). ``w_sq``: a known ``||W||^2``, else
-    computed here."""
+    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` (column sums: the squared norms, ``||W||^2``
+    included), by ``norm_gemm`` for 16-bit ``weight``, else ``norm_fp32``'s fused kernel (3-pass TF32). ``w_sq``: a
+    known ``||W||^2``, else computed here."""
     weight = weight if weight.dtype in (*HALF, torch.float32) else weight.float()  # float64 (references)
     w_sq = weight_sq(weight) if w_sq is None else w_sq
     if weight.dtype in HALF:
