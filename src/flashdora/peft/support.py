@@ -83,12 +83,9 @@ _ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
 
 
 def zero3_hooks_only(module: nn.Module) -> bool:
-    """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks (``DeepSpeedZeRoOffload.
-    _register_deepspeed_module``: gather before its forward, release after, the same around its backward) and its
-    forward is its class's. Such a module need not be called: its parameters, read from ``module._parameters``
-    in the engine's forward, are gathered by DeepSpeed and registered as external parameters of the calling
-    module (the LoRA layer), which DeepSpeed then gathers for its backward and its checkpoint recomputation. The
-    hooks are told by DeepSpeed's private closure names: only on a DeepSpeed the tests cover (``config.TESTED``)."""
+    """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks and its forward is its class's:
+    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/design.md,
+    "Host-time notes"). Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
     if (
         module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__
         or torch.compiler.is_compiling() or not config.deepspeed_tested()
