@@ -15,10 +15,8 @@ HALF = (torch.float16, torch.bfloat16)  # the 16-bit dtypes: the ones the half-p
 
 @triton.jit
 def _to_out(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """``x.to(DTYPE)``; with EMULATE_RNE, rounds fp32 -> bf16 to nearest even by hand, as the GPU does.
-
-    The Triton 3.9 CPU interpreter truncates fp32 -> bf16 conversions; the wrappers set EMULATE_RNE only there.
-    """
+    """``x.to(DTYPE)``; with EMULATE_RNE (set only under the CPU interpreter, which truncates fp32 -> bf16 as of
+    Triton 3.9), rounds fp32 -> bf16 to nearest even by hand, as the GPU does."""
     if EMULATE_RNE and DTYPE == tl.bfloat16:
         bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)

@@ -1,6 +1,6 @@
 """DoRA compose forward and backward kernels and their launch wrappers (math: docs/math.md).
 
-Eager twins: ``compose_fwd_eager`` / ``compose_bwd_eager`` in ``ops/compose.py``. Every kernel reads each input
+Eager twins: ``compose_fwd_eager`` / ``compose_bwd_eager`` in ``ops/compose_fn.py``. Every kernel reads each input
 once and writes each output once; the math runs in ``g``'s dtype (float32, or float64 for references).
 """
 
@@ -160,10 +160,8 @@ def _compose_bwd_kernel(
 
 
 def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """``(tensor, row stride)`` for a kernel that reads ``t`` as ``[tokens, n]`` rows with stride-1 columns.
-
-    A contiguous ``t`` goes as it is, whatever its leading dims (no reshape call on the host path); otherwise a 2-D
-    view of it when the strides allow, else a copy."""
+    """``(tensor, row stride)`` for a kernel that reads ``t`` as ``[tokens, n]`` rows with stride-1 columns: ``t``
+    itself when contiguous (no reshape call on the host path), else a 2-D view when the strides allow, else a copy."""
     if t.is_contiguous():
         return t, n
     t2 = t.reshape(-1, n)
@@ -172,13 +170,14 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 
 def _empty_rows(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous tensor shaped and typed like ``t`` (``empty_like`` parses no size: a third of the
-    host cost of ``torch.empty(t.shape, dtype=..., device=...)``; these run on every layer call)."""
+    """An uninitialised contiguous tensor shaped and typed like ``t`` (``empty_like`` parses no size: cheaper on the
+    host than ``torch.empty`` with a shape; docs/design.md, "Host-time notes")."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 # Elements of lora_B from which the fused forward gets it cast to the matmul dtype first, in one pass, rather than in
-# the kernel's registers (docs/design.md, "Casting lora_B"; csrc/compose.cpp takes it at load: ``kCastBFirst``).
+# the kernel's registers: past it the GPU time saved outweighs one more launch (docs/design.md, "Host-time notes";
+# native/csrc/compose.cpp takes it at load: ``kCastBFirst``).
 CAST_B_FIRST = 8 * 2**20
 
 
@@ -314,11 +313,9 @@ _BWD_SPLIT: dict[tuple, tuple] = {}
 
 
 def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(tokens per backward program, a stand-in shaped like the partial-sum buffer)`` for ``t`` tokens.
-
-    The token range is a multiple of every BLOCK_M, sized for a few waves; independent of config. The stand-in is
-    one element expanded to ``[n_split, d_out]``: ``torch.empty_like`` of it allocates the buffer at a third of the
-    host cost of ``torch.empty`` with a size."""
+    """``(tokens per backward program, a stand-in shaped like the partial-sum buffer)`` for ``t`` tokens. The token
+    range is a multiple of every BLOCK_M, sized for a few waves; the stand-in is one element expanded to
+    ``[n_split, d_out]``, so ``torch.empty_like`` of it allocates the buffer cheaply on the host."""
     key = (t, n, scales.dtype, scales.device)
     hit = _BWD_SPLIT.get(key)
     if hit is not None:

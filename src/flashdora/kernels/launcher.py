@@ -85,9 +85,9 @@ def _check_complete(kernel, args: tuple, flags: dict) -> None:
 
 def autotune_enabled() -> bool:
     """``FLASHDORA_AUTOTUNE`` (default off): time every config of a kernel's list at each new key, instead of taking
-    the list's first (its best on the H100 and H200 at the 8B shapes). Read at a key's first launch. Off, a fresh
-    machine compiles one config per kernel in the first step rather than every config (docs/design.md, "Cold
-    start"); ``kernel[grid]`` (untested versions) always tunes."""
+    the list's first, its best at the shapes measured (docs/design.md, "Host-time notes"). Read at a key's first
+    launch. Off, a fresh machine compiles one config per kernel in the first step rather than every config
+    (docs/design.md, "Cold start"); ``kernel[grid]`` (untested versions) always tunes."""
     return config.autotune
 
 
@@ -108,9 +108,9 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     runs the autotuner under ``FLASHDORA_AUTOTUNE=1``; the first call of each
     (key, device, flags, specialization) compiles through Triton's JIT; later calls launch the compiled kernel
     directly: through torch's C++ launcher of compiled Triton kernels where torch has one (``_StaticCudaLauncher``,
-    what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. On the device
-    machines' CPU the autotuner and JIT bookkeeping cost 30-80 us a launch and Triton's launcher 20-50 us more,
-    which a DoRA layer of ordinary size cannot hide.
+    what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. The autotuner's
+    and JIT's per-launch bookkeeping is host time a DoRA layer of ordinary size cannot hide (docs/design.md,
+    "Host-time notes").
     """
     if not backend.private_apis():  # untested torch or Triton: the plain launch (config.TESTED)
         kernel[grid](*args, **flags)
@@ -266,13 +266,8 @@ def _static_launch_fn():
 
 def _static_launcher(fn, compiled, args: tuple):
     """``(None, launch, function, warps, shared, arg types, padding, keep)`` for torch's ``_StaticCudaLauncher``, or
-    ``None`` where it cannot take this kernel (scratch memory, clusters, other signatures; ``launch`` checks the
-    launch hooks on every call).
-
-    The kernel's own loaded ``CUfunction`` is launched with the arguments its cubin takes: the positional ones
-    Triton did not fold into constants (``keep``: their positions, ``None`` for all), plus one null pointer per
-    scratch parameter newer Triton versions add (``padding``). Triton's launcher adds nothing else for a one-CTA,
-    non-cooperative kernel without programmatic dependent launch."""
+    ``None`` where it cannot take this kernel (scratch memory, clusters, other signatures). ``keep``: positions of the
+    arguments Triton did not fold into constants; ``padding``: null pointers for newer Triton's scratch parameters."""
     try:
         meta = compiled.metadata
         if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False):

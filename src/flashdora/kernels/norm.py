@@ -24,10 +24,9 @@ from flashdora.kernels.scales import finish, outputs, scales_plan
 
 
 def _partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
-    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` (their column sums are the squared norms,
-    ``||W||^2`` included): ``norm_gemm`` for 16-bit ``weight`` (the GEMMs on cuBLAS, one Triton epilogue),
-    ``norm_fp32``'s fused kernel for float32, float32-accurate (3-pass TF32). ``w_sq``: a known ``||W||^2``, else
-    computed here."""
+    """``[n, d_out]`` float32 partial squared row norms of ``W + s B A`` (column sums: the squared norms, ``||W||^2``
+    included), by ``norm_gemm`` for 16-bit ``weight``, else ``norm_fp32``'s fused kernel (3-pass TF32). ``w_sq``: a
+    known ``||W||^2``, else computed here."""
     weight = weight if weight.dtype in (*HALF, torch.float32) else weight.float()  # float64 (references)
     w_sq = weight_sq(weight) if w_sq is None else w_sq
     if weight.dtype in HALF:
@@ -46,9 +45,9 @@ def factored_norm_sq(weight, lora_A, lora_B, scaling, w_sq=None) -> torch.Tensor
 def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=None):
     """``(norm, scales)`` in one go: the factored norm finished together with ``ops.norm.scales``.
 
-    Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: what the device machines'
-    CPU, not the GPU, pays for at ordinary layer sizes. ``out``: a ``[4, d_out]`` float32
-    buffer to write ``norm`` (row 0) and the scales (rows 1-3) into, or a ``(norm, scales)`` pair of views to write.
+    Eleven small launches fewer than ``factored_norm_sq`` + clamp + sqrt + ``scales``: host time, not GPU time, at
+    ordinary layer sizes. ``out``: a ``[4, d_out]`` float32 buffer to write ``norm`` (row 0) and the scales (rows
+    1-3) into, or a ``(norm, scales)`` pair of views to write.
     ``w_sq``: a known ``||W||^2``. A 16-bit ``weight`` with a rank up to ``norm_small.MAX_R`` takes one launch, two
     where it splits d_in (``kernels/norm_small.py``).
     """

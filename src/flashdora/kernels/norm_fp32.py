@@ -106,11 +106,9 @@ def _gram_kernel(
 
 
 def gram(lora_A: torch.Tensor) -> torch.Tensor:
-    """``A A^T`` [r, r] float32 by a split-K ``tf32x3`` kernel (float32-accurate; ~3e-7 relative measured).
-
-    It serves the float32 norm (float32 weights). cuBLAS float32 takes 0.079 ms at r = 384, d_in = 8192 on an H100
-    (too few output tiles for that long K); this takes 0.062 ms. Plain TF32 would be faster but not float32-accurate.
-    """
+    """``A A^T`` [r, r] float32 by a split-K ``tf32x3`` kernel (float32-accurate), for the float32 norm: cuBLAS
+    float32 has too few output tiles for that long K, and plain TF32 is not float32-accurate (docs/design.md,
+    "Host-time notes")."""
     a = lora_A.detach().float().contiguous()  # [r, d_in]
     r, d_in = a.shape
     block_r, block_k = configs.gram_blocks(r)

@@ -55,7 +55,7 @@ def finish(part, magnitude, from_sq: bool, out=None) -> tuple[torch.Tensor, torc
     return norm, scales
 
 
-SCALES_BLOCK = 1024  # (csrc/norm.cpp: kScalesBlock)
+SCALES_BLOCK = 1024  # (native/csrc/norm.cpp: kScalesBlock)
 _SCALES_BLOCK = SCALES_BLOCK if not configs.INTERPRETED else 64
 
 

@@ -112,8 +112,8 @@ def _file_norm_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
 
 
 def held_unchanged(held) -> bool | None:
-    """``peft.mixed``'s kept-pack check in C++ (``csrc/check.cpp``) where the extension is loaded and switched on,
-    else ``None`` (the caller runs its Python passes). ``held``: a ``peft.mixed._Held``."""
+    """``peft.mixed``'s kept-pack check in C++ (``native/csrc/check.cpp``) where the extension is loaded and switched
+    on, else ``None`` (the caller runs its Python passes). ``held``: a ``peft.mixed._Held``."""
     mod = build._module
     if mod is None or not build.enabled():
         return None
@@ -165,8 +165,8 @@ def takes_4bit(packed: torch.Tensor, state):
 
 
 def dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """bitsandbytes' ``dequantize_4bit(packed, state)`` from C++ (``csrc/norm.cpp``: its library's kernels, the same
-    bits), or ``None`` where that path does not run (``takes_4bit``)."""
+    """bitsandbytes' ``dequantize_4bit(packed, state)`` from C++ (``native/csrc/norm.cpp``: its library's kernels,
+    the same bits), or ``None`` where that path does not run (``takes_4bit``)."""
     plan = takes_4bit(packed, state)
     if plan is None:
         return None

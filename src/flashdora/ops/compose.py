@@ -33,14 +33,9 @@ from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and 
 
 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
-    """The compose as plain torch ops, for ``torch.compile``: inductor fuses them (the compose into one pointwise
-    kernel, the magnitude gradient into a reduction) and launches no Python between them.
-
-    ``g`` and ``g - 1`` are constants, as on the eager path; the magnitude's gradient, ``sum dy * inner / norm``,
-    comes from a term that is zero in value: ``(m - m.detach()) / norm * inner``. Backward then keeps only ``inner``
-    in ``result``'s dtype, as the eager path does (with ``g`` differentiable it would keep both ``result`` and the
-    LoRA output, and round the gradient differently).
-    """
+    """The compose as plain torch ops, for ``torch.compile`` (inductor fuses them). ``g`` and ``g - 1`` are constants,
+    as on the eager path; the magnitude's gradient comes from ``(m - m.detach()) / norm * inner``, zero in value, so
+    backward keeps only ``inner`` (docs/design.md, "Host-time notes")."""
     g, gm1, inv = scales.unbind(0)
     need_m = magnitude.requires_grad and torch.is_grad_enabled()
     lora = F.linear(F.linear(lx.to(compute_dtype), lora_A.to(compute_dtype)), lora_B.to(compute_dtype))

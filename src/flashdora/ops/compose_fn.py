@@ -45,11 +45,9 @@ _cast, _compute_dtype = cast, compute_dtype  # (the names the rest of ops/ and t
 
 
 def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
-    """``a = lx A^T`` in the matmul dtype, as plain autograd ops: their backward (``dA``, ``d lx``, the casts back
-    to the parameters' dtypes) runs in torch's C++ engine, as PEFT's does. Under autocast with grad, autocast casts
-    both operands (in C++: no Python call for the cast). Without grad, ``lora_A`` is cast here, the same rounding in
-    one op: autocast would keep its cast copy of a trainable leaf until its region ends, for every layer of a model's
-    forward (1 GiB on llama3-8b at r = 384), where inference needs none of them."""
+    """``a = lx A^T`` in the matmul dtype, as plain autograd ops (their backward runs in torch's C++ engine, as
+    PEFT's does). Under autocast with grad, autocast casts both operands; without grad, ``lora_A`` is cast here:
+    autocast would keep every layer's cast copy until its region ends (docs/design.md, "Host-time notes")."""
     if autocast and torch.float64 not in (lx.dtype, lora_A.dtype):
         return F.linear(lx, lora_A if torch.is_grad_enabled() else _cast(lora_A, compute_dtype))
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)
@@ -122,11 +120,8 @@ def _mm(x, y, alpha):
 
 def _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, triton):
     """Backward body: ``[d_result, d_a, d_lx_base, d_bias, d_B, d_m]``, None where not needed (``needs``, that order).
-
-    ``d_result`` is ``g dy`` without ``lx_base``, ``dy`` with it. ``d_a`` and ``d_B`` are rounded to the matmul
-    dtype (``a``'s), as the matmuls of PEFT's autocast path give them; autograd casts each gradient to its input's
-    dtype (``lora_B``'s float32 on PEFT's adapters).
-    """
+    ``d_result`` is ``g dy`` without ``lx_base``, ``dy`` with it; ``d_a`` and ``d_B`` are rounded to the matmul dtype
+    (``a``'s), as PEFT's autocast matmuls give them, and autograd casts each to its input's dtype."""
     if torch.is_autocast_enabled(dy.device.type):  # (on CUDA the backward runs with autocast off already)
         with torch.autocast(dy.device.type, enabled=False):
             return _bwd(dy, a, inner, lora_B, scales, scaling, has_lx_base, has_bias, needs, triton)

@@ -94,7 +94,7 @@ class ComposeGrad2(torch.autograd.Function):
 
 
 def graph_grads(dy, a, inner, lora_B, magnitude, scales, scaling, has_lx, has_bias, needs):
-    """``ops.compose._bwd``'s gradients as differentiable torch ops (same order, same roundings as its eager path).
+    """``ops.compose_fn._bwd``'s gradients as differentiable torch ops (same order, same roundings as its eager path).
 
     ``g`` and ``g - 1`` carry the zero-valued ``(m - m.detach()) / norm``: their value is the scales', their
     derivative in ``m`` is ``1 / norm``, as PEFT's ``m / norm.detach()`` has it. ``inner`` is the forward's output

@@ -1,7 +1,8 @@
 """``dora_linear``: the public DoRA linear function (validated inputs, the norm from the cache, then the compose).
 
-The compose itself (autograd boundary, eager and Triton paths, the traced form for ``torch.compile``) is
-``ops/compose.py``; the norm and its cache are ``ops/norm.py`` and ``ops/norm_cache.py``. Math: docs/math.md.
+The compose itself is ``ops/compose.py`` (a route's execution, the traced form for ``torch.compile``) over
+``ops/compose_fn.py`` (the eager twins, the autograd boundary); the norm and its cache are ``ops/norm.py`` and
+``ops/norm_cache.py``. Math: docs/math.md.
 """
 
 from __future__ import annotations

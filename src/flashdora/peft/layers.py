@@ -43,16 +43,9 @@ _PEFT_CAST = LoraLayer._cast_input_dtype
 
 
 def cast_input_dtype(self, x, dtype: torch.dtype):
-    """PEFT's cast of a LoRA layer's input to the adapters' dtype, skipped where it cannot change any value.
-
-    Under autocast PEFT casts a 16-bit ``x`` to the fp32 adapters' dtype and autocast casts it straight back for
-    the LoRA matmuls: a round trip that costs a cast each way in forward and backward. On layers whose active
-    adapters all run flashdora without an active dropout, flashdora takes ``x`` as it is (the values the matmuls see
-    are the same, bit for bit). So it does with an active dropout in ``dropout="adapter"`` mode: the dropout then
-    runs on the 16-bit ``x`` (on CUDA the same values as on the float32 copy, for a given mask: the kernel scales in
-    float32; on the CPU the scale ``1 / (1 - p)`` is rounded to the 16-bit dtype first). Elsewhere (the exact
-    form's dropout in training, other adapters, no autocast) PEFT's cast runs.
-    """
+    """PEFT's cast of a LoRA layer's input to the adapters' dtype, skipped where it cannot change any value: under
+    autocast, on layers whose active adapters all run flashdora (no active dropout, or ``dropout="adapter"``), a
+    16-bit ``x`` goes as it is, saving a cast each way (docs/design.md, "Host-time notes"). Elsewhere PEFT's runs."""
     if (
         x is not None
         and x.dtype != dtype

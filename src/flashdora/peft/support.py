@@ -43,8 +43,8 @@ def params_reason(mods, adapter) -> str | None:
 
 
 # The forward runs once per layer call, where host time is the bottleneck: it reads submodules and parameters from
-# the modules' own dicts. ``nn.Module.__getattr__`` costs a Python call per attribute, and PEFT's
-# ``get_base_layer`` a caught AttributeError per call (about 2 and 5 us on a laptop CPU, against 0.15).
+# the modules' own dicts, not through ``nn.Module.__getattr__`` or PEFT's ``get_base_layer`` (docs/design.md,
+# "Host-time notes").
 
 
 def base_layer(module: nn.Module) -> nn.Module:
@@ -98,12 +98,9 @@ _ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
 
 
 def zero3_hooks_only(module: nn.Module) -> bool:
-    """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks (``DeepSpeedZeRoOffload.
-    _register_deepspeed_module``: gather before its forward, release after, the same around its backward) and its
-    forward is its class's. Such a module need not be called: its parameters, read from ``module._parameters``
-    in the engine's forward, are gathered by DeepSpeed and registered as external parameters of the calling
-    module (the LoRA layer), which DeepSpeed then gathers for its backward and its checkpoint recomputation. The
-    hooks are told by DeepSpeed's private closure names: only on a DeepSpeed the tests cover (``config.TESTED``)."""
+    """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks and its forward is its class's:
+    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/design.md,
+    "Host-time notes"). Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
     if (
         module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__
         or torch.compiler.is_compiling() or not config.deepspeed_tested()
@@ -160,11 +157,8 @@ def _sharded(t) -> bool:
 
 def _gathered(t, at_rest: bool = False) -> bool:
     """Whether ``t`` is not a DeepSpeed ZeRO-3 parameter (tagged ``ds_id``) or is one gathered now (``ds_status``
-    AVAILABLE; ``at_rest``: any with a ``ds_status``, which the engine's forward gathers). In the engine's forward
-    DeepSpeed gathers a partitioned parameter as the layer reads it from its module's ``_parameters`` and registers
-    it as an external parameter of the running module (the LoRA layer): it is then gathered for that layer's
-    backward and its checkpoint recomputation too. Elsewhere (a forward outside the engine, a hand-tagged tensor)
-    it may be empty."""
+    AVAILABLE; ``at_rest``: any with a ``ds_status``, which the engine's forward gathers). A parameter gathered in the
+    engine's forward stays gathered for that layer's backward and recomputation (docs/design.md, "Host-time notes")."""
     if not hasattr(t, "ds_id"):
         return True
     status = getattr(getattr(t, "ds_status", None), "name", None)

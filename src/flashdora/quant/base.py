@@ -179,9 +179,8 @@ _OPS: list = []  # bitsandbytes' int8_vectorwise_quant, int8_scaled_mm and int8_
 
 def _int8_linear(x, cb, scb, bias, state):
     """``MatMul8bitLt.forward``'s output: ``x`` quantized row-wise (through float16), the int8 product scaled back to
-    ``x``'s dtype, plus ``bias``; above an outlier threshold (LLM.int8(), ``BitsAndBytesConfig``'s default 6.0) the
-    outlier columns of ``x`` in its own dtype (bitsandbytes' mixed op, the columns recorded on the state as its
-    forward records them)."""
+    ``x``'s dtype, plus ``bias``; with an outlier threshold (LLM.int8()), the outlier columns of ``x`` in its own
+    dtype, recorded on the state as bitsandbytes' forward records them."""
     if not _OPS:
         ops = torch.ops.bitsandbytes
         _OPS.extend((ops.int8_vectorwise_quant.default, ops.int8_scaled_mm.default, ops.int8_mixed_scaled_mm))

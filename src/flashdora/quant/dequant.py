@@ -2,9 +2,10 @@
 
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
-``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where ``quant.base.result`` computed the
-layer's base result itself, the 4-bit weight its forward dequantized is kept here (``keep_dense``) until the layer's call
-ends (``release``), and the miss takes it (``kept_dense``) instead of dequantizing again.
+``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where
+``quant.base.result`` computed the layer's base result itself, the 4-bit weight its forward dequantized is kept here
+(``keep_dense``) until the layer's call ends (``release``), and the miss takes it (``kept_dense``) instead of
+dequantizing again.
 """
 
 from __future__ import annotations
@@ -21,14 +22,9 @@ _dense: tuple | None = None  # (packed's data_ptr, its version, quant_state, den
 def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization).
 
-    A 4-bit weight is what ``bitsandbytes.functional.dequantize_4bit`` makes of it, the call PEFT's
-    ``dequantize_module_weight`` makes for it (and ``Linear4bit``'s forward), without PEFT's checks around it: a
-    cache miss runs this every optimizer step, and those checks read ``Params4bit`` attributes through its
-    ``__torch_function__`` (about 60 us of the host's time per call on the dev machine's CPU). On CUDA, with the C++
-    extension built and a bitsandbytes version it was tested with, the same kernels of bitsandbytes' library run from
-    C++ (``native.bridge.dequantize_4bit``: the same bits, a fraction of the host time); where flashdora computed the
-    layer's base result itself (``quant.base``), the weight that forward dequantized (``kept_dense``). An 8-bit weight comes
-    in ``dtype`` (default float32), the values of PEFT's float32 dequantization cast to it (``_dequantize_int8``).
+    A 4-bit weight: ``dequantize_4bit``'s values (the forward's kept weight, ``kept_dense``, where ``quant.base`` ran
+    it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/design.md,
+    "Host-time notes"). An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
     with torch.no_grad():
@@ -62,14 +58,9 @@ _INT8_CHUNK = 16 * 1024 * 1024  # float32 elements of one row chunk's transient 
 
 
 def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """An ``Int8Params`` weight ``CB * SCB / 127`` in ``dtype``, or ``None`` (not quantized: PEFT's function).
-
-    The values are bitsandbytes' ``int8_vectorwise_dequant(CB, SCB)`` (float32, the weight PEFT's DoRA dequantizes
-    and casts to its input's dtype) cast to ``dtype``, computed in the same order. A 16-bit ``dtype`` on the Triton
-    path is one kernel (``kernels/dequant.py``: no float32 tensor at all); elsewhere it is filled a row chunk at a
-    time, so no float32 ``[d_out, d_in]`` tensor exists, only a chunk of at most 64 MiB. It reads
-    ``SCB`` from the layer's state or the parameter without writing either (PEFT's CPU path re-assigns the weight,
-    after which bitsandbytes' forward finds no scales)."""
+    """An ``Int8Params`` weight ``CB * SCB / 127`` in ``dtype`` (bitsandbytes' ``int8_vectorwise_dequant`` values,
+    same order), or ``None`` (not quantized: PEFT's function). One Triton kernel for a 16-bit ``dtype``, else a row
+    chunk at a time (no float32 ``[d_out, d_in]`` tensor); ``SCB`` is read, never written (PEFT's CPU path writes)."""
     state = getattr(base, "state", None)
     scb = getattr(state, "SCB", None)
     scb = getattr(base.weight, "SCB", None) if scb is None else scb

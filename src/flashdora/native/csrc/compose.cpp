@@ -1,19 +1,18 @@
-// The DoRA compose on the Triton path, forward and backward, in C++ (flashdora.native).
+// The DoRA compose on the Triton path, forward and backward, in C++ (flashdora.native.bridge calls it).
 //
 // A layer of ordinary size is bound by the host: its Python costs more than its kernels. `forward` runs the
 // LoRA A matmul (ATen, recorded by autograd as F.linear is), launches the fused forward kernel that the Python path
 // compiled and tuned, and in training hangs the backward node on the output; it takes a call only when it holds the
-// plan of every kernel it launches (registered from Python once per shape, after the Python path compiled them), and
-// leaves everything else to the Python path. The backward node launches the compose-backward kernel, then the
-// magnitude gradient's second stage and the two LoRA GEMMs: on the autograd engine's device thread the Python
-// `autograd.Function` costs more host time per layer than PEFT LoRA's C++ nodes.
+// plan of every kernel it launches (filed from Python by native/bridge.py `prime`, which compiles them first where
+// needed), and leaves everything else to the Python path. The backward node launches the compose-backward kernel,
+// then the magnitude gradient's second stage and the two LoRA GEMMs: on the autograd engine's device thread the
+// Python `autograd.Function` costs more host time per layer than PEFT LoRA's C++ nodes.
 //
 // Math (docs/math.md): y = g (result - bias + s a B^T) + bias with a = x A^T; gdy = g dy;
 // dm = sum_tokens dy * inner / norm; dB = s gdy^T a; da = s gdy B.
 //
-// Error messages are built with std::to_string, never by streaming numbers: with the device machines' g++ 13 and
-// torch 2.11, streaming an integer into TORCH_CHECK's message crashed in the extension's own copy of
-// std::ostream::_M_insert (a segfault where the Python path raises).
+// Error messages are built with std::to_string, never by streaming numbers: streaming an integer into TORCH_CHECK's
+// message has crashed the extension where the Python path raises (docs/design.md, "Host-time notes").
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -214,10 +213,10 @@ Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
 
 constexpr int64_t kCastBFirst = 8 * (1 << 20);  // kernels/compose.py CAST_B_FIRST (tests/ops/test_native.py checks)
 
-// native/bridge.py `compose`: the compose on the Triton path: y, or None where this call is not one it takes (the Python
-// path runs), or False where it has no forward plan for it yet (the Python path runs and files it). `lx_base`:
-// dropout's exact form (`x` is then the dropout-applied input), which PEFT calls without a bias. The checks come
-// before any work: a call it declines has launched nothing.
+// native/bridge.py `compose`: the compose on the Triton path: y, or None where this call is not one it takes (the
+// Python path runs), or False where it has no plan for it yet (bridge's `prime` files them, then calls again).
+// `lx_base`: dropout's exact form (`x` is then the dropout-applied input), which PEFT calls without a bias. The checks
+// come before any work: a call it declines has launched nothing.
 py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
                    double scaling, int64_t seq, const std::optional<at::Tensor>& lx_base) {
@@ -308,7 +307,7 @@ void register_backward(const at::Tensor& result, const at::Tensor& scales, int64
                                           std::move(keep)};
 }
 
-// The same node's math in ATen, no kernel: a CPU test of the node's wiring (flashdora.native's tests).
+// The same node's math in ATen, no kernel: a CPU test of the node's wiring (tests/ops/test_native.py).
 struct EagerComposeBackward : public ComposeBackward {
   variable_list apply(variable_list&& grads) override {
     variable_list out(lx_base_ ? 5 : 4);

@@ -97,7 +97,7 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline Arg ptr(const at::Tensor& t) { return Arg{'O', t.data_ptr(), 0, 0.0}; }
 inline Arg integer(int64_t v) { return Arg{'i', nullptr, v, 0.0}; }
 
-// What Triton specializes a compiled kernel on for an integer argument (kernels/configs.py `_specialization`).
+// What Triton specializes a compiled kernel on for an integer argument (kernels/launcher.py `_specialization`).
 inline int64_t spec(int64_t v) { return ((v & 15) == 0) + 2 * (v == 1) + 4 * (v >= INT32_MIN && v <= INT32_MAX); }
 
 // A key (a forward's, a norm's) still without a plan after this many calls: left to the Python path.

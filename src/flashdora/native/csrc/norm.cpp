@@ -1,12 +1,12 @@
-// A norm cache miss on the Triton path, in C++ (flashdora.native's `norm_scales`; kernels/norm.py
+// A norm cache miss on the Triton path, in C++ (native/bridge.py `norm_scales`; kernels/norm.py
 // `norm_and_scales`). Ranks up to kernels/norm_small.py's MAX_R take that file's kernel (one launch, two where it
 // splits d_in); the rest take the path below.
 //
 // A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
-// its six launches, which on the device machines' CPU took several times a LoRA layer call. This is the same work,
-// launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's dtype,
-// G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue kernel,
-// then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
+// its six launches, host time several LoRA layer calls long (docs/design.md, "Host-time notes"). This is the same
+// work, launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's
+// dtype, G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue
+// kernel, then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
 
 #include <torch/extension.h>
 
@@ -148,8 +148,8 @@ using DequantFn = void (*)(float* code, unsigned char* a, float* absmax, void* o
 
 // A 4-bit weight as `bitsandbytes.functional.dequantize_4bit` makes it: the same kernels of bitsandbytes' own library,
 // in the same order (the nested absmax's blockwise dequantization, `+= offset`, the 4-bit dequantization), so the
-// same bits, without the Python around them (layers.py `dequantized` passes the kernels' addresses). None where it
-// does not take the call (the Python function runs).
+// same bits, without the Python around them (native/bridge.py `dequantize_4bit` passes the kernels' addresses).
+// None where it does not take the call (the Python function runs).
 py::object dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
                            std::vector<int64_t> shape, c10::ScalarType dtype, int64_t fn_4bit,
                            const std::optional<at::Tensor>& code2, const std::optional<at::Tensor>& absmax2,
