@@ -171,12 +171,12 @@ def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
 
 def _empty_rows(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised contiguous tensor shaped and typed like ``t`` (``empty_like`` parses no size: cheaper on the
-    host than ``torch.empty`` with a shape; docs/design.md, "Host-time notes")."""
+    host than ``torch.empty`` with a shape; docs/host-notes.md)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 # Elements of lora_B from which the fused forward gets it cast to the matmul dtype first, in one pass, rather than in
-# the kernel's registers: past it the GPU time saved outweighs one more launch (docs/design.md, "Host-time notes";
+# the kernel's registers: past it the GPU time saved outweighs one more launch (docs/host-notes.md;
 # native/csrc/compose.cpp takes it at load: ``kCastBFirst``).
 CAST_B_FIRST = 8 * 2**20
 

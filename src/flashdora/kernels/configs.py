@@ -21,7 +21,7 @@ def _pick(gpu: list[triton.Config], interpreted: triton.Config) -> list[triton.C
 
 def bench(kernel_call, quantiles):
     """Every autotuner's timer: Triton's ``do_bench`` over 25 ms per config instead of its default 100 ms, which
-    shortens a fresh process's first step and still times many calls per config (docs/design.md, "Host-time notes")."""
+    shortens a fresh process's first step and still times many calls per config (docs/host-notes.md)."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -38,7 +38,7 @@ COMPOSE_FWD = _pick(
 
 # Every list below is short on purpose: a fresh machine compiles every config of every kernel in the first step,
 # and the kernels here are a few percent of a step, so a config a little off the best costs less than the compile of
-# one more (docs/design.md, "Cold start" and "Host-time notes").
+# one more (docs/design.md, "Cold start"; docs/host-notes.md).
 # Compose with the LoRA B matmul inside (K = r): GEMM tiles; key ["N", "R"].
 COMPOSE_FUSED = _pick(
     [
@@ -106,7 +106,7 @@ NORM_EPILOGUE = _pick(
 # The small-rank norm of 16-bit weights (kernels/norm_small.py): [BLOCK_M rows, d_in] x [d_in, r] and [r, r] per
 # program; key ["d_out", "d_in", "r"]. BLOCK_R (next_pow2(r)) is not tuned; prune_small puts the configs with
 # BLOCK_M >= BLOCK_R first: every program also computes the r x r Gram matrix, which costs as much as its rows' cross
-# term only once BLOCK_M >= r (docs/design.md, "Host-time notes").
+# term only once BLOCK_M >= r (docs/host-notes.md).
 NORM_SMALL = _pick(
     [
         triton.Config({"BLOCK_M": 32, "BLOCK_K": 128}, num_warps=4, num_stages=3),

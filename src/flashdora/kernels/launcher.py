@@ -85,7 +85,7 @@ def _check_complete(kernel, args: tuple, flags: dict) -> None:
 
 def autotune_enabled() -> bool:
     """``FLASHDORA_AUTOTUNE`` (default off): time every config of a kernel's list at each new key, instead of taking
-    the list's first, its best at the shapes measured (docs/design.md, "Host-time notes"). Read at a key's first
+    the list's first, its best at the shapes measured (docs/host-notes.md). Read at a key's first
     launch. Off, a fresh machine compiles one config per kernel in the first step rather than every config
     (docs/design.md, "Cold start"); ``kernel[grid]`` (untested versions) always tunes."""
     return config.autotune
@@ -109,8 +109,7 @@ def launch(kernel, grid, key: tuple, args: tuple, flags: dict) -> None:
     (key, device, flags, specialization) compiles through Triton's JIT; later calls launch the compiled kernel
     directly: through torch's C++ launcher of compiled Triton kernels where torch has one (``_StaticCudaLauncher``,
     what inductor launches its own Triton kernels with: one C call), else through Triton's launcher. The autotuner's
-    and JIT's per-launch bookkeeping is host time a DoRA layer of ordinary size cannot hide (docs/design.md,
-    "Host-time notes").
+    and JIT's per-launch bookkeeping is host time a DoRA layer of ordinary size cannot hide (docs/host-notes.md).
     """
     if not backend.private_apis():  # untested torch or Triton: the plain launch (config.TESTED)
         kernel[grid](*args, **flags)

@@ -107,8 +107,7 @@ def _gram_kernel(
 
 def gram(lora_A: torch.Tensor) -> torch.Tensor:
     """``A A^T`` [r, r] float32 by a split-K ``tf32x3`` kernel (float32-accurate), for the float32 norm: cuBLAS
-    float32 has too few output tiles for that long K, and plain TF32 is not float32-accurate (docs/design.md,
-    "Host-time notes")."""
+    float32 has too few output tiles for that long K, and plain TF32 is not float32-accurate (docs/host-notes.md)."""
     a = lora_A.detach().float().contiguous()  # [r, d_in]
     r, d_in = a.shape
     block_r, block_k = configs.gram_blocks(r)

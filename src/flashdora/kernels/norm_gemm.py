@@ -5,7 +5,7 @@ weight the forward really applies: with ``A`` rounded to W's dtype, as the LoRA 
 
 1. ``a = A`` in W's 16-bit dtype (one cast), ``G = a a^T`` by cuBLAS, float32 out.
 2. ``C = W a^T`` by cuBLAS, float32 out: the tensor cores at their GEMM rate, which our Triton GEMM fell well short
-   of (docs/design.md, "Host-time notes"). Written as ``[rows, r]`` or as its transpose, whichever layout cuBLAS
+   of (docs/host-notes.md). Written as ``[rows, r]`` or as its transpose, whichever layout cuBLAS
    runs faster at this shape (timed once per shape).
 3. ``_epilogue_kernel``, per [rows, r-slice] tile: ``B G[:, slice]`` on TF32 (a plain GEMM loop, K = r), the
    row-dot of ``2s C + s^2 B G`` with ``B``, plus ``||W||^2`` in slice 0 (given: the norm cache keeps it per weight
@@ -82,8 +82,7 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # (rows, d_in, r, dtype, device) -> whether cuBLAS runs the cross term faster as ``C^T = a W^T`` (``[r, rows]``)
-# than as ``C = W a^T``: the same product, tiled differently. Neither layout wins at every shape (docs/design.md,
-# "Host-time notes"), so each shape's first computation times both and keeps the faster.
+# than as ``C = W a^T``: the same product, tiled differently. Neither layout wins at every shape (docs/host-notes.md), so each shape's first computation times both and keeps the faster.
 _TRANSPOSED: dict[tuple, bool] = {}
 _LAYOUT_REPS = 3
 
@@ -125,7 +124,7 @@ def _faster_transposed(w_rows, a, key) -> bool:
 
 def gram(a: torch.Tensor) -> torch.Tensor:
     """``a a^T`` ``[r, r]`` float32 of a 16-bit ``a`` (exact products, float32 sums), one cuBLAS GEMM on CUDA (a
-    split over d_in was slower: docs/design.md, "Host-time notes")."""
+    split over d_in was slower: docs/host-notes.md)."""
     return _mm_f32(a, a.T)
 
 

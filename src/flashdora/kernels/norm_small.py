@@ -7,7 +7,7 @@
 as much work as its rows' cross term once ``BLOCK_M >= r``, which bounds the rank) on the tensor cores, then
 finishes the row norm and the scales. No ``[d_out, r]`` product and no ``G`` reach memory, and a miss is one launch
 (two where it splits d_in, below) instead of ``norm_gemm``'s cast, two cuBLAS calls and two launches, which cost
-host time every layer and optimizer step (docs/design.md, "Host-time notes"). Larger ranks take ``norm_gemm``,
+host time every layer and optimizer step (docs/host-notes.md). Larger ranks take ``norm_gemm``,
 whose cuBLAS GEMM runs the cross term faster than a Triton one once it is not bound by reading ``W``.
 
 A layer with few row blocks (``d_out / BLOCK_M`` programs could not fill the GPU: the 8B shapes' k/v projections

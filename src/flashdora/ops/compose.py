@@ -35,7 +35,7 @@ from flashdora.ops.compose_fn import (  # noqa: F401 - re-exported: callers and 
 def _compose_traced(result, lx, lora_A, lora_B, magnitude, scales, scaling, compute_dtype, bias, lx_base):
     """The compose as plain torch ops, for ``torch.compile`` (inductor fuses them). ``g`` and ``g - 1`` are constants,
     as on the eager path; the magnitude's gradient comes from ``(m - m.detach()) / norm * inner``, zero in value, so
-    backward keeps only ``inner`` (docs/design.md, "Host-time notes")."""
+    backward keeps only ``inner`` (docs/host-notes.md)."""
     g, gm1, inv = scales.unbind(0)
     need_m = magnitude.requires_grad and torch.is_grad_enabled()
     lora = F.linear(F.linear(lx.to(compute_dtype), lora_A.to(compute_dtype)), lora_B.to(compute_dtype))

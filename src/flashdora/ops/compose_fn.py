@@ -47,7 +47,7 @@ _cast, _compute_dtype = cast, compute_dtype  # (the names the rest of ops/ and t
 def _lora_a(lx, lora_A, compute_dtype, autocast: bool):
     """``a = lx A^T`` in the matmul dtype, as plain autograd ops (their backward runs in torch's C++ engine, as
     PEFT's does). Under autocast with grad, autocast casts both operands; without grad, ``lora_A`` is cast here:
-    autocast would keep every layer's cast copy until its region ends (docs/design.md, "Host-time notes")."""
+    autocast would keep every layer's cast copy until its region ends (docs/host-notes.md)."""
     if autocast and torch.float64 not in (lx.dtype, lora_A.dtype):
         return F.linear(lx, lora_A if torch.is_grad_enabled() else _cast(lora_A, compute_dtype))
     return F.linear(_cast(lx, compute_dtype), _cast(lora_A, compute_dtype))  # (autocast leaves float64 as it is)

@@ -5,7 +5,7 @@ every first-order gradient again: in ``g`` (the magnitude), in ``dy``, ``a`` and
 magnitude's gradient ``sum dy * inner / norm``, in ``inner`` and so in the base output's producers (``x``, a
 trainable base weight or bias). ``ComposeFunction`` saves ``inner`` as a value without those edges, and the only
 handle on them a custom function can keep is one more autograd output, which costs host time on every forward
-(docs/design.md, "Double backward"). So second order is an opt-in, and first-order training pays nothing:
+(docs/design.md, "Decisions": double backward). So second order is an opt-in, and first-order training pays nothing:
 
 - ``double_backward()`` on (a call, or a ``with`` block around the forward; the setting ``config.double_backward``):
   the compose runs ``ComposeGrad2``, the same forward (kernels, saved tensors) that also returns ``inner`` as an

@@ -45,7 +45,7 @@ _PEFT_CAST = LoraLayer._cast_input_dtype
 def cast_input_dtype(self, x, dtype: torch.dtype):
     """PEFT's cast of a LoRA layer's input to the adapters' dtype, skipped where it cannot change any value: under
     autocast, on layers whose active adapters all run flashdora (no active dropout, or ``dropout="adapter"``), a
-    16-bit ``x`` goes as it is, saving a cast each way (docs/design.md, "Host-time notes"). Elsewhere PEFT's runs."""
+    16-bit ``x`` goes as it is, saving a cast each way (docs/host-notes.md). Elsewhere PEFT's runs."""
     if (
         x is not None
         and x.dtype != dtype

@@ -43,8 +43,7 @@ def params_reason(mods, adapter) -> str | None:
 
 
 # The forward runs once per layer call, where host time is the bottleneck: it reads submodules and parameters from
-# the modules' own dicts, not through ``nn.Module.__getattr__`` or PEFT's ``get_base_layer`` (docs/design.md,
-# "Host-time notes").
+# the modules' own dicts, not through ``nn.Module.__getattr__`` or PEFT's ``get_base_layer`` (docs/host-notes.md).
 
 
 def base_layer(module: nn.Module) -> nn.Module:
@@ -99,8 +98,7 @@ _ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
 
 def zero3_hooks_only(module: nn.Module) -> bool:
     """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks and its forward is its class's:
-    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/design.md,
-    "Host-time notes"). Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
+    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/host-notes.md). Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
     if (
         module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__
         or torch.compiler.is_compiling() or not config.deepspeed_tested()
@@ -158,7 +156,7 @@ def _sharded(t) -> bool:
 def _gathered(t, at_rest: bool = False) -> bool:
     """Whether ``t`` is not a DeepSpeed ZeRO-3 parameter (tagged ``ds_id``) or is one gathered now (``ds_status``
     AVAILABLE; ``at_rest``: any with a ``ds_status``, which the engine's forward gathers). A parameter gathered in the
-    engine's forward stays gathered for that layer's backward and recomputation (docs/design.md, "Host-time notes")."""
+    engine's forward stays gathered for that layer's backward and recomputation (docs/host-notes.md)."""
     if not hasattr(t, "ds_id"):
         return True
     status = getattr(getattr(t, "ds_status", None), "name", None)

@@ -23,8 +23,7 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization).
 
     A 4-bit weight: ``dequantize_4bit``'s values (the forward's kept weight, ``kept_dense``, where ``quant.base`` ran
-    it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/design.md,
-    "Host-time notes"). An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
+    it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/host-notes.md). An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
     weight = base.weight
     with torch.no_grad():

@@ -1,6 +1,6 @@
 // A mixed-adapter layer's kept pack check in C++ (flashdora/peft/mixed.py, ``_unchanged``): the same comparisons as
 // its Python passes, over the tuples ``_held`` keeps: a loop here costs less host time than those passes over
-// objects rarely in the CPU's caches (docs/design.md, "Mixed-adapter batches" and "Host-time notes").
+// objects rarely in the CPU's caches (docs/design.md, "Mixed-adapter batches"; docs/host-notes.md).
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>

@@ -12,7 +12,7 @@
 // dm = sum_tokens dy * inner / norm; dB = s gdy^T a; da = s gdy B.
 //
 // Error messages are built with std::to_string, never by streaming numbers: streaming an integer into TORCH_CHECK's
-// message has crashed the extension where the Python path raises (docs/design.md, "Host-time notes").
+// message has crashed the extension where the Python path raises (docs/host-notes.md).
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>

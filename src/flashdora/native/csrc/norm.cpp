@@ -3,7 +3,7 @@
 // splits d_in); the rest take the path below.
 //
 // A miss of the norm cache (once per layer and optimizer step in training) costs a dozen Python-level steps around
-// its six launches, host time several LoRA layer calls long (docs/design.md, "Host-time notes"). This is the same
+// its six launches, host time several LoRA layer calls long (docs/host-notes.md). This is the same
 // work, launch for launch, for a 16-bit weight whose cross term is one chunk (kernels/norm_gemm.py): a = A in W's
 // dtype, G = a a^T and C = W a^T (cuBLAS, float32 out, in the layout the Python path timed faster), the epilogue
 // kernel, then the scales kernel. Bit for bit the Python path's result (the same ops and kernels).
