@@ -1,4 +1,5 @@
-"""The examples run as-is (CPU, a few steps) and really go through flashdora. The README's snippets: tests/test_docs.py."""
+"""The examples run as-is (CPU, a few steps) and really go through flashdora (the README's snippets:
+tests/test_docs.py)."""
 
 import ast
 import subprocess

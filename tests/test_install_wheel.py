@@ -40,7 +40,8 @@ def test_the_wheel_installs_and_runs_the_demo_outside_the_clone(tmp_path):
     purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip())
     ours = [sysconfig.get_path("purelib"), *site.getsitepackages()]
     (purelib / "from_test_venv.pth").write_text("\n".join(dict.fromkeys(ours)) + "\n")  # torch, peft, rich...
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheels[0])])
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    _run([*pip, "install", "-q", "--no-deps", "--no-index", str(wheels[0])])
 
     away = tmp_path / "elsewhere"
     away.mkdir()

@@ -128,7 +128,8 @@ def test_the_session_check_sees_the_routes_of_xdist_workers(tmp_path):
         "def test_b():\n    pass\n"
     )
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", "2", str(test)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", "2"]
+    cmd.append(str(test))
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert "2 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.returncode == 1 and "'bogus-compose'" in proc.stdout, proc.stdout[-2000:]

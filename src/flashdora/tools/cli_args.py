@@ -56,7 +56,7 @@ def _common(p: argparse.ArgumentParser, results: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: %(default)s)")
     if results:
         p.add_argument(
-            "--out", default=None, help="result folder (default: ./flashdora-bench; the docs' evidence: benchmarks/results)"
+            "--out", default=None, help="result folder (default: ./flashdora-bench; the docs cite benchmarks/results)"
         )
         p.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
