@@ -5,7 +5,8 @@
 # Keeps a torch that is already installed (e.g. a CUDA build); otherwise installs the CPU build torch==2.13.0, never
 # letting pip pull a CUDA torch. peft and transformers are pinned by scripts/constraints.txt (the newest supported);
 # VENV=.venv-oldest CONSTRAINTS=scripts/constraints-oldest.txt builds one with the oldest (scripts/test_oldest.sh).
-# A second run with nothing changed skips pip (a stamp in the venv; see below) and takes a few seconds.
+# A second run with nothing changed skips pip (a stamp in the venv; see below) and takes a few seconds. Each stage it
+# runs prints one line, with the time it took: creating .venv, installing torch (CPU), installing flashdora.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB=${1:-test}
@@ -20,11 +21,19 @@ NAME=$JOB${EXTRAS:++$EXTRAS}
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 PINS=${CONSTRAINTS:-scripts/constraints.txt}
+stage() {  # stage WHAT COMMAND...: runs COMMAND on one line "setup.sh: WHAT ... done in N s"
+  local what=$1 start
+  shift
+  start=$(date +%s%N)
+  printf 'setup.sh: %s ... ' "$what"
+  "$@"
+  printf 'done in %s s\n' "$(awk -v ns=$(($(date +%s%N) - start)) 'BEGIN { printf "%.1f", ns / 1e9 }')"
+}
 if [ ! -x "$VENV/bin/python" ]; then
   if "$PY" -c "import torch" 2>/dev/null; then
-    "$PY" -m venv --system-site-packages "$VENV"   # see the torch already installed
+    stage "creating $VENV (seeing the torch already installed)" "$PY" -m venv --system-site-packages "$VENV"
   else
-    "$PY" -m venv "$VENV"
+    stage "creating $VENV" "$PY" -m venv "$VENV"
   fi
 fi
 # A stamp per job records what the last successful install was made from: this checkout's path, pyproject.toml, the
@@ -53,7 +62,7 @@ rm -f "$STAMP.$JOB" "$STAMP.$NAME"
 # pip, without the local-index notices some machines print for every package ("Location ... is ignored")
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored" >&2); }
 if ! "$VENV/bin/python" -W ignore -c "import torch" 2>/dev/null; then
-  pip install "torch==2.13.0"
+  stage "installing torch (CPU)" pip install "torch==2.13.0"
 fi
 TORCH=$("$VENV/bin/python" -W ignore -c "import torch; print(torch.__version__.split('+')[0])")
 CONSTRAINTS_FILE=$(mktemp)
@@ -71,7 +80,8 @@ if ! "$VENV/bin/python" -W ignore -c "import triton" 2>/dev/null; then
     extras="$extras,triton"
   fi
 fi
-pip install -c "$CONSTRAINTS_FILE" -c "$PINS" -e ".[$extras]"
+stage "installing flashdora[$extras] (peft, transformers and the rest)" \
+  pip install -c "$CONSTRAINTS_FILE" -c "$PINS" -e ".[$extras]"
 "$VENV/bin/python" -W ignore -c \
   "import flashdora, torch; print('flashdora', flashdora.__version__, 'torch', torch.__version__)"
 stamp_key >"$STAMP.$JOB"

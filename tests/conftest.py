@@ -58,12 +58,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist (``scripts/test.sh -n``): a worker's routes, for the check at the end of the session."""
+    seen = getattr(node, "workeroutput", {}).get("flashdora_seen", [])
+    node.config.stash.setdefault(_WORKERS_SEEN, set()).update(tuple(route) for route in seen)
+
+
+_WORKERS_SEEN = pytest.StashKey[set]()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Every route a call took in this session is in docs/design.md's route table (tests/test_routes.py)."""
+    """Every route a call took in this session is in docs/design.md's route table (tests/test_routes.py); under
+    pytest-xdist each worker hands its routes to the controller, which checks them all."""
     from flashdora import dispatch
     from tests.test_routes import unlisted
 
-    bad = unlisted(dispatch.SEEN)
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput["flashdora_seen"] = [list(route) for route in dispatch.SEEN]
+        return
+    bad = unlisted(dispatch.SEEN | session.config.stash.get(_WORKERS_SEEN, set()))
     if bad:
         print(f"\nflashdora: routes taken that docs/design.md's route table does not list: {sorted(bad)}")
         session.exitstatus = 1

@@ -191,3 +191,39 @@ def test_fsdp_render_pairs_interleaved_steps_with_loras():
     assert "| 4 | bf16 | flashdora | 1.10 |" in fsdp_render.render_markdown(interleaved)
     separate = {**record.new_result("fsdp", "cpu", {"order": "a launch per mode"}, {}), "records": recs}
     assert fsdp_render._paired(separate) == [] and "paired vs peft_lora" not in fsdp_render.render_markdown(separate)
+
+
+def test_bench_on_the_cpu_defaults_to_small_shapes_and_a_folder_outside_the_repository(monkeypatch):
+    from flashdora.tools import cli, cli_defaults
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli.build_parser().parse_args(["bench", "layer"])
+    cli.check(args)
+    assert args.device == "cpu" and args.out == "flashdora-bench"
+    assert args.shapes == [(256, 512), (512, 256)] and args.ranks == [8] and args.tokens == [64]
+    assert args.norm_shape == (512, 1024) and args.norm_rank == 16
+    for command in (["bench", "model"], ["bench", "serve"], ["bench", "fsdp"]):
+        args = cli.build_parser().parse_args(command)
+        cli.check(args)
+        assert args.preset == "tiny" and args.out == cli_defaults.OUT, command
+    # given values are kept; on CUDA the defaults are the GPU-sized ones
+    args = cli.build_parser().parse_args(["bench", "layer", "--shapes", "32x48", "--out", "benchmarks/results"])
+    cli.check(args)
+    assert args.shapes == [(32, 48)] and args.out == "benchmarks/results" and args.ranks == [8]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = cli.build_parser().parse_args(["bench", "layer"])
+    cli.check(args)
+    assert args.device == "cuda" and args.shapes == [cli.parse_shape(s) for s in cli.LAYER_SHAPES]
+    assert args.tokens == list(cli.LAYER_TOKENS) and args.norm_shape == (8192, 28672) and args.out == "flashdora-bench"
+
+
+def test_bench_layer_prints_a_line_per_case_and_writes_under_the_working_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "layer", "--shapes", "16x24", "--ranks", "2", "--tokens", "4", "--dtypes", "bf16"]
+    assert main([*argv, "--reps", "1", "--warmup", "0", "--no-kernels", "--device", "cpu"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bench layer [")]
+    assert len(lines) == 2 * 3  # phases x modes, one line each as it is measured
+    assert lines[0].startswith("bench layer [1/6] 16x24 r=2 bf16 4 tokens forward ") and lines[0].endswith(" ms")
+    assert lines[-1].startswith("bench layer [6/6] 16x24 r=2 bf16 4 tokens fwd_bwd ")
+    written = sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("*.json"))
+    assert written == ["flashdora-bench"]  # ./flashdora-bench/, not the repository's benchmarks/results

@@ -38,7 +38,7 @@ def test_every_entry_exists_and_every_public_function_is_called():
         ("tests/test_report.py::test_x", True),
         ("tests/test_cache_routes.py::test_route[data.copy_+invalidate-llama-eager]", True),
         ("tests/test_cache_routes.py::test_route[set_scale-llama-eager]", False),
-        ("tests/test_examples.py::test_readme_quick_start_runs_as_written", True),
+        ("tests/test_docs.py::test_every_readme_snippet_runs_clean[flashdora.report(model)]", True),
         ("tests/test_examples.py::test_train_with_trainer_runs_flashdora", False),
         ("tests/test_report.pyc::test_x", False),
     ],

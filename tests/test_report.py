@@ -72,3 +72,14 @@ def test_report_names_each_layers_dropout_mode():
     flashdora.enable(model)
     assert flashdora.report(model, print_table=False).count("p=0.1 exact") == 14
     assert flashdora.report(build_peft_model("tiny", 4, 0.0, "cpu"), print_table=False).count(" -\n") == 14
+
+
+def test_report_of_a_model_never_enabled_says_so_first(capsys):
+    model = build_peft_model("tiny", 4, 0.0, "cpu")
+    first = flashdora.report(model, print_table=True).splitlines()[0]
+    assert first.startswith("flashdora is not enabled on this model") and "flashdora.enable(model)" in first
+    assert capsys.readouterr().out.lstrip().startswith("flashdora is not enabled on this model")
+    flashdora.enable(model)
+    assert flashdora.report(model, print_table=False).splitlines()[0].startswith("module")
+    flashdora.disable(model)
+    assert "flashdora.enable(model)" in flashdora.report(model, print_table=False).splitlines()[0]

@@ -189,3 +189,23 @@ def test_untested_peft_runs_peft_forward_counted(monkeypatch):
         model(input_ids=torch.randint(0, 64, (2, 8)))
     stats = flashdora.stats()
     assert stats.get("peft_fallback:peft-version", 0) > 0 and "eager" not in stats, stats
+
+
+def test_the_session_check_sees_the_routes_of_xdist_workers(tmp_path):
+    """scripts/test.sh runs the suite on pytest-xdist workers: a route taken in a worker still fails the session."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("xdist")
+    test = tmp_path / "test_bogus_route.py"
+    test.write_text(
+        "from flashdora import dispatch\n\n"
+        "def test_a():\n    dispatch.SEEN.add(('bogus-compose', 'bogus-norm', 'bogus-base'))\n\n"
+        "def test_b():\n    pass\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", "2"]
+    cmd.append(str(test))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert "2 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 1 and "'bogus-compose'" in proc.stdout, proc.stdout[-2000:]

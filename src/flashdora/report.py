@@ -38,8 +38,22 @@ def _rows(model: nn.Module) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
+def _headline(rows) -> str | None:
+    """The first line when flashdora runs none of the model's DoRA layers and nothing says why: it was never enabled
+    (or was disabled)."""
+    if rows and all(r[3] == "peft" for r in rows):
+        return (
+            f"flashdora is not enabled on this model: its {len(rows)} DoRA layer(s) run PEFT's own code "
+            "(call flashdora.enable(model), or flashdora.patch_peft() before the model is built)"
+        )
+    return None
+
+
 def report(model: nn.Module, *, print_table: bool = True) -> str:
     """A table of every DoRA (module, adapter) of a PEFT ``model`` with its path, plus the call counters.
+
+    On a model where every DoRA layer runs PEFT's own code (``enable`` never called, or ``disable``d), the first line
+    says so and names ``enable``.
 
     Route: what the layer's last call ran, as ``dispatch`` recorded it: ``flashdora:<compose>/<norm>/<base>``
     (compose ``native``: the C++ forward and node over the Triton kernels, ``triton``, ``eager``, ``traced``: inside
@@ -55,23 +69,25 @@ def report(model: nn.Module, *, print_table: bool = True) -> str:
     rows = _rows(model)
     totals = Counter(route.split("/")[0] for _, _, _, route, _ in rows)
     width = max([len(r[0]) for r in rows] + [6])
-    lines = [f"{'module':<{width}}  {'adapter':<10} {'base':<12} {'route':<32} dropout"]
+    headline = _headline(rows)
+    lines = [headline] if headline else []
+    lines += [f"{'module':<{width}}  {'adapter':<10} {'base':<12} {'route':<32} dropout"]
     lines += [f"{n:<{width}}  {a:<10} {b:<12} {r:<32} {d}" for n, a, b, r, d in rows]
     summary = ", ".join(f"{p}: {c}" for p, c in sorted(totals.items())) or "no DoRA layers found"
     lines.append(f"DoRA layers by path: {summary}")
     lines.append(f"calls since reset_stats(): {dict(sorted(backend.stats().items())) or '{}'}")
     text = "\n".join(lines)
     if print_table:
-        _print(rows, lines[-2:])
+        _print(rows, lines[-2:], headline)
     return text
 
 
-def _print(rows, footer) -> None:
+def _print(rows, footer, headline: str | None = None) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # pragma: no cover - rich is a dependency, but keep report usable without it
-        print("\n".join(" | ".join(r) for r in rows) + "\n" + "\n".join(footer))
+        print("\n".join(([headline] if headline else []) + [" | ".join(r) for r in rows] + footer))
         return
     table = Table(title="flashdora report")
     table.add_column("module", no_wrap=True)
@@ -84,6 +100,8 @@ def _print(rows, footer) -> None:
     width = Console(width=2**16).measure(table).maximum
     console = Console()
     console = Console(width=max(console.width, width)) if width > console.width else console
+    if headline:
+        console.print(headline, style="yellow", soft_wrap=True)
     console.print(table)
     for line in footer:
         console.print(line)

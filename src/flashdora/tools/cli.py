@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from flashdora.tools import cli_defaults
 from flashdora.tools.cli_args import (  # noqa: F401 - the options live in cli_args; re-exported for callers
     _ADD,
     DEMO_SIZES,
@@ -212,6 +213,7 @@ def check(args: argparse.Namespace) -> None:
     _check_combinations(args, error)
     if hasattr(args, "device") and not getattr(args, "merge", None):  # (a merge's device comes from its files)
         _check_device(args, error)
+    cli_defaults.resolve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

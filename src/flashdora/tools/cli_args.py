@@ -55,7 +55,9 @@ def _common(p: argparse.ArgumentParser, results: bool) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default: %(default)s)")
     if results:
-        p.add_argument("--out", default="benchmarks/results", help="result folder (default: %(default)s)")
+        p.add_argument(
+            "--out", default=None, help="result folder (default: ./flashdora-bench; the docs cite benchmarks/results)"
+        )
         p.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
 
@@ -167,14 +169,12 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
         "--shapes",
         nargs="+",
         type=parse_shape,
-        default=[parse_shape(s) for s in LAYER_SHAPES],
+        default=None,
         metavar="DINxDOUT",
-        help=f"layer shapes d_in x d_out (default: {' '.join(LAYER_SHAPES)})",
+        help=f"layer shapes d_in x d_out (default on CUDA: {' '.join(LAYER_SHAPES)}; on the CPU: 256x512 512x256)",
     )
-    p.add_argument("--ranks", nargs="+", type=int, default=list(LAYER_RANKS), help="LoRA ranks (default: %(default)s)")
-    p.add_argument(
-        "--tokens", nargs="+", type=int, default=list(LAYER_TOKENS), help="tokens per call (default: %(default)s)"
-    )
+    p.add_argument("--ranks", nargs="+", type=int, help=f"LoRA ranks (default: {LAYER_RANKS}; on the CPU: 8)")
+    p.add_argument("--tokens", nargs="+", type=int, help=f"tokens per call (default: {LAYER_TOKENS}; on the CPU: 64)")
     p.add_argument(
         "--dtypes",
         nargs="+",
@@ -212,17 +212,16 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--norm-shape",
         type=parse_shape,
-        default=(8192, 28672),
         metavar="DINxDOUT",
-        help="shape of the PEFT-norm vs factored-norm comparison (default: 8192x28672)",
+        help="shape of the PEFT-norm vs factored-norm comparison (default: 8192x28672; on the CPU: 512x1024)",
     )
-    p.add_argument("--norm-rank", type=int, default=384, help="rank of that comparison (default: %(default)s)")
+    p.add_argument("--norm-rank", type=int, help="rank of that comparison (default: 384; on the CPU: 16)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel, device-peak and norm sections")
     _common(p, results=True)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--preset", choices=MODEL_PRESETS, help="model shapes (default: llama3-8b; on the CPU: tiny)")
     p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
     p.add_argument(
@@ -262,7 +261,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="autocast: bf16 model, fp32 adapters (PEFT's default), bf16 autocast; bf16: all bf16",
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per step, not decode's (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence, not decode's (default: %(default)s)")
+    p.add_argument("--seq", type=int, help="tokens per sequence, not decode's (default: 2048; on the CPU: 128)")
     p.add_argument("--prompt", type=int, default=32, help="decode: prompt tokens, batch 1 (default: %(default)s)")
     p.add_argument(
         "--new-tokens", type=int, default=64, help="decode: tokens generated per timed step (default: %(default)s)"
@@ -300,11 +299,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, help="ranks (default: every CUDA device, else 2 CPU processes)")
-    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--preset", choices=MODEL_PRESETS, help="model shapes (default: llama3-8b; on the CPU: tiny)")
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
-    p.add_argument("--ranks", type=int, nargs="+", default=[384, 16], help="LoRA ranks (default: 384 16)")
+    p.add_argument("--ranks", type=int, nargs="+", help="LoRA ranks (default: 384 16; on the CPU: 16)")
     p.add_argument("--modes", nargs="+", choices=FSDP_MODES, default=list(FSDP_MODES), help="default: all")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: 2048; on the CPU: 128)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank and step (default: %(default)s)")
     p.add_argument("--reps", type=int, default=5, help="timed steps; the median is reported (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (default: %(default)s)")
@@ -349,7 +348,7 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=MODEL_PRESETS, default="llama3-8b", help="model shapes (default: %(default)s)")
+    p.add_argument("--preset", choices=MODEL_PRESETS, help="model shapes (default: llama3-8b; on the CPU: tiny)")
     p.add_argument("--config", type=Path, help="a transformers config.json instead of a preset")
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
     lists = dict(nargs="+", action=ListAction, integers=True, metavar="N")
@@ -358,9 +357,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--requests", type=int, default=16, help="requests per batch; request i uses adapter i %% K (default: 16)"
     )
-    p.add_argument("--prompt", type=int, default=128, help="decode: prompt tokens per request (default: %(default)s)")
+    p.add_argument("--prompt", type=int, help="decode: prompt tokens per request (default: 128; on the CPU: 32)")
     p.add_argument("--new-tokens", type=int, default=32, help="decode: greedy steps timed (default: %(default)s)")
-    p.add_argument("--prefill-prompt", type=int, default=512, help="prefill: tokens per request (default: 512)")
+    p.add_argument("--prefill-prompt", type=int, help="prefill: tokens per request (default: 512; on the CPU: 64)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per mode; the median is reported (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default: %(default)s)")
     p.add_argument(

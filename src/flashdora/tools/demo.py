@@ -108,13 +108,26 @@ def flashdora_path(device: torch.device, counts: dict[str, int]) -> str | None:
 
 
 def speed_note(device: torch.device, path: str) -> str:
-    """Why the demo's timings are not flashdora's GPU speed (``path`` from ``flashdora_path``)."""
+    """Why the demo's timings are not flashdora's GPU speed (``path`` from ``flashdora_path``); on the CPU, also why
+    it prints no speed-up."""
     ran = "its eager path (plain PyTorch)" if path == "eager" else "its Triton kernels under the Triton interpreter"
-    why = "FLASHDORA_BACKEND=eager, or no Triton" if device.type == "cuda" else "run the demo on CUDA for that"
+    if device.type != "cuda":
+        return (
+            f"note: on {device.type} flashdora ran {ran}, not its Triton kernels on a GPU. CPU timings are not "
+            "flashdora's claim and vary from run to run, so no speed-up is printed; the table's times are not "
+            "flashdora's GPU speed (run the demo on CUDA for that; GPU measurements: docs/benchmarks.md)"
+        )
     return (
         f"note: on {device.type} flashdora ran {ran}, not its Triton kernels on a GPU: these timings compare PEFT "
-        f"DoRA with that path and are not flashdora's GPU speed ({why})"
+        f"DoRA with that path and are not flashdora's GPU speed (FLASHDORA_BACKEND=eager, or no Triton)"
     )
+
+
+def speed_up(device: torch.device, path: str | None, peft_ms: float, fd_ms: float) -> str:
+    """The summary line's first part: PEFT's time over flashdora's on CUDA; on the CPU none (``speed_note``)."""
+    if device.type != "cuda":
+        return "speed-up: not measured on the CPU (see the note below)"
+    return ("speed-up" if path is None else f"speed-up ({path}, {device.type})") + f" {peft_ms / fd_ms:.2f}x"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
     d_loss = max(abs(a - b) for a, b in zip(peft_losses, fd_losses))
     d_logits = (fd_logits - peft_logits).abs().max().item()
     console.print(
-        ("speed-up" if path is None else f"speed-up ({path}, {device.type})")
-        + f" {peft_ms / fd_ms:.2f}x | max |delta loss| over {args.steps} steps: {d_loss:.2e} | "
+        speed_up(device, path, peft_ms, fd_ms) + f" | max |delta loss| over {args.steps} steps: {d_loss:.2e} | "
         f"max |delta logits| after training: {d_logits:.2e} (logit scale {peft_logits.abs().max().item():.2f})"
     )
     if path is not None:

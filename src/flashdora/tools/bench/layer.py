@@ -114,7 +114,7 @@ def _interleaved(layers, x, dy, phase, autocast, args, device, progress) -> dict
     for mode, fn in fns.items():
         timing.free_memory(device)
         got[mode] = _measure_mode(fn, args, device, reps=min(args.reps, 5))
-        progress()
+        progress(mode, got[mode])
     live = {mode: fn for mode, fn in fns.items() if got[mode]["ms"] is not None}
     timing.free_memory(device)
     try:
@@ -130,7 +130,7 @@ def _interleaved(layers, x, dy, phase, autocast, args, device, progress) -> dict
 
 
 def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]:
-    """All (tokens, phase, mode) rows of one (shape, rank, dtype)."""
+    """All (tokens, phase, mode) rows of one (shape, rank, dtype); ``progress(case, row)`` after each measurement."""
     d_out, d_in = weight.shape
     layers = build_layers(weight, rank, dtype_mode, args.modes)
     autocast = dtype_mode == "autocast"
@@ -139,15 +139,17 @@ def bench_config(weight, rank, dtype_mode, args, device, progress) -> list[dict]
         x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=phase == "fwd_bwd")
         dy = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
         got = {mode: [] for mode in args.modes}
+        case = f"{shape_name(d_in, d_out)} r={rank} {dtype_mode} {tokens} tokens {phase}"
         if args.interleave:
-            for mode, row in _interleaved(layers, x, dy, phase, autocast, args, device, progress).items():
+            step = lambda mode, row, case=case: progress(f"{case} {mode} (memory run)", row)  # noqa: E731
+            for mode, row in _interleaved(layers, x, dy, phase, autocast, args, device, step).items():
                 got[mode].append(row)
         for k in range(0 if args.interleave else args.rounds):  # every second round reversed (no fixed neighbour)
             for mode in args.modes if k % 2 == 0 else args.modes[::-1]:
                 timing.free_memory(device)
                 fn = step_fn(layers[mode][1], x, dy, phase, autocast)
                 got[mode].append(_measure_mode(fn, args, device))
-                progress()
+                progress(f"{case} {mode}", got[mode][-1])
         for mode in args.modes:
             row = {
                 "shape": shape_name(d_in, d_out),
@@ -229,14 +231,22 @@ def run(args) -> int:
     configs = list(itertools.product(args.shapes, args.ranks, args.dtypes))
     per_config = len(args.tokens) * len(args.phases) * len(args.modes) * args.rounds
     rows = []
+    total = len(configs) * per_config
     with Progress(transient=True) as bar:
-        task = bar.add_task("bench layer", total=len(configs) * per_config)
+        task = bar.add_task("bench layer", total=total)
+
+        def progress(case: str, row: dict) -> None:  # a line per measured case, also where no bar is drawn (a log)
+            bar.advance(task)
+            ms = "failed" if row.get("ms") is None else f"{row['ms']:.3f} ms"
+            bar.console.print(f"bench layer [{int(bar.tasks[0].completed)}/{total}] {case}: {ms}", highlight=False)
+
         for (d_in, d_out), rank, dtype_mode in configs:
             bar.update(task, description=f"{shape_name(d_in, d_out)} r={rank} {dtype_mode}")
             weight = torch.randn(d_out, d_in, device=device, dtype=torch.bfloat16) / d_in**0.5
-            rows += bench_config(weight, rank, dtype_mode, args, device, lambda: bar.advance(task))
+            rows += bench_config(weight, rank, dtype_mode, args, device, progress)
             del weight
         if not args.no_kernels:
+            bar.console.print("bench layer: the kernels alone, the device's peaks and the norm comparison")
             bar.update(task, description="kernels")
             result.update(bench_kernels(args, device))
     result["rows"] = rows
