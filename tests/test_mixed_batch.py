@@ -279,3 +279,20 @@ def test_mixed_batch_after_the_base_weight_became_an_inference_tensor():
         assert layer.base_layer.weight.is_inference()
         out = model(input_ids=ids, adapter_names=NAMES).logits
         assert rel_err(out, per_adapter(model, ids, NAMES)) <= 1e-5
+
+
+def test_module_registrations_in_a_compiled_forward_read_no_module_set(monkeypatch):
+    """Llama's forward slices its ``ModuleList``, which registers modules: under ``torch.compile`` the registration
+    hook must not read ``mixed_hooks._members`` (dynamo guarded on that weak set, and a garbage collection during
+    the compile shrank it: ``InternalTorchDynamoError: IndexError`` in ``generate`` under reduce-overhead, GPU)."""
+    from flashdora.peft import mixed_hooks
+
+    class Untouchable:
+        def __contains__(self, item):
+            raise AssertionError("read under compile")
+
+    monkeypatch.setattr(mixed_hooks, "_members", Untouchable())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    before = mixed_hooks._structure
+    mixed_hooks._registered(torch.nn.ModuleList(), "0", torch.nn.Linear(2, 2))
+    assert mixed_hooks._structure == before

@@ -23,6 +23,7 @@ import weakref
 from peft.tuners.lora import model as lora_model
 from peft.tuners.lora.layer import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
+import torch
 from torch import nn
 
 from flashdora import config
@@ -37,6 +38,8 @@ _handle = None
 
 def _registered(module, name, submodule):
     global _structure
+    if torch.compiler.is_compiling():  # (a ModuleList sliced in a compiled forward: a guard on _members, which the
+        return  # garbage collector shrinks, failed its own compile with InternalTorchDynamoError on an H200)
     if module in _members or isinstance(submodule, _KINDS):
         _structure += 1
 
