@@ -1,6 +1,7 @@
 """Every switch and version gate, in one place, read once.
 
-Settings come from ``FLASHDORA_*`` environment variables when flashdora is imported, and change at run time only
+Settings come from ``FLASHDORA_*`` environment variables when this module is first imported (at the first use of a
+public name such as ``flashdora.enable``; a bad value raises there: docs/usage.md), and change at run time only
 through ``flashdora.configure(...)`` (or ``reload()``, which reads the environment again). The layer path reads
 them as module attributes (``config.backend``, ``config.native``...): no environment lookup per call.
 
