@@ -259,8 +259,6 @@ class NormCache:
         if impl is None:
             impl = dispatch.norm_impl(weight, lora_A, lora_B, magnitude, quantized is not None)
         if owner is None or weight.is_meta or not cache_enabled():
-            if not cache_enabled():
-                bump()  # (writes it cannot see may come while it is off: nothing from before is served once it is on)
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
         try:
             keys = _keys(weight, lora_A, lora_B, magnitude)
