@@ -177,6 +177,8 @@ def test_zero3_layers_take_the_cpp_route_like_any_other(monkeypatch):
     monkeypatch.setattr(config, "_DEEPSPEED_TESTED", [True])
     monkeypatch.setattr(dispatch, "compose_impl", lambda *args: "native")
     monkeypatch.setattr(dispatch, "norm_impl", lambda *args: "eager")  # (a CPU test: the compose's route is checked)
+    monkeypatch.setattr(dispatch, "SEEN", set())  # (this made-up route stays out of the session's route check)
+    monkeypatch.setattr(dispatch, "_ROUTES", {})
     model, ids, _, tagged = _tagged_llama(gathered=True)
     ran = []
     monkeypatch.setattr(compose, "compose_eager", lambda *args: ran.append(args[-1]) or args[0])  # (impl: last)
