@@ -187,19 +187,17 @@ def native_for(layer, x) -> bool:
     d = layer.__dict__
     if "_flashdora_native" in d and config.private and _graph_task is not None and _graph_task() != -1:
         return d["_flashdora_native"]  # inside a backward: the recomputation takes what its forward took
-    on = config.native_on and x.is_cuda
-    if on and build._module is None:
-        on = build.load(torch.is_grad_enabled() or layer.training) is not None
-    d["_flashdora_native"] = on
+    on = d["_flashdora_native"] = native_loaded(x, torch.is_grad_enabled() or layer.training)
     return on
 
 
-def native_loaded(x) -> bool:
+def native_loaded(x, trains: bool | None = None) -> bool:
     """``native_for`` for calls outside a PEFT layer (``dora_linear``, the mixed compose's norm): the extension
-    where it is on and already loaded, or where a call with grad loads it."""
+    where it is on and already loaded, or where a call that trains (``None``: grad on) loads it."""
     if not config.native_on or not x.is_cuda:
         return False
-    return build._module is not None or build.load(torch.is_grad_enabled()) is not None
+    trains = torch.is_grad_enabled() if trains is None else trains
+    return build._module is not None or build.load(trains) is not None
 
 
 def compose_impl(
