@@ -9,6 +9,7 @@ once and leaves the Triton route for the rest of the process. docs/design.md, "T
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -43,6 +44,7 @@ def failed() -> bool:
     return _state == "failed"
 
 
+@functools.cache
 def name() -> str:
     """The extension's name: torch's version, Python's and a digest of the C++ source (a cached build of other
     source, which ninja's timestamps alone might keep, is never loaded)."""
