@@ -176,15 +176,15 @@ def test_native_dequantize_4bit_is_bitsandbytes_bit_for_bit(kind, dtype, monkeyp
         raise AssertionError("bitsandbytes.functional.dequantize_4bit ran")
 
     monkeypatch.setattr(bnb.functional, "dequantize_4bit", python_path)
-    got = bnb_dequant.dequantized(layer)
-    got_alias = bnb_dequant.dequantized(layer, layer.weight.detach())
+    got = bnb_dequant.dequantized(layer, fast=bridge)
+    got_alias = bnb_dequant.dequantized(layer, layer.weight.detach(), fast=bridge)
     assert torch.equal(got, want) and torch.equal(got_alias, want) and got.data_ptr() != want.data_ptr()
     bridge.bnb_kernel.cache_clear()
     monkeypatch.setattr(bnb, "__version__", "0.49.0")  # a version the C++ path was not tested with
     try:
         assert bridge.bnb_kernel(f"cdequantize_blockwise_{bridge._DTYPE_NAMES[dtype]}_{kind[:3]}") == 0
         with pytest.raises(AssertionError, match="dequantize_4bit ran"):
-            bnb_dequant.dequantized(layer)
+            bnb_dequant.dequantized(layer, fast=bridge)
     finally:
         bridge.bnb_kernel.cache_clear()
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from flashdora import backend, config
-from flashdora.native import build
+from flashdora.native import bridge, build
 from flashdora.peft.support import hooked_adapter, is_bnb, params_reason, reason
 
 COMPOSE = (
@@ -216,6 +216,13 @@ def compose_impl(
     if native is None:
         native = native_loaded(result)
     return "native" if native else "triton"
+
+
+def dequantizer(native: bool):
+    """What a bitsandbytes 4-bit weight is dequantized with on a call whose route is (``native``) or is not the C++
+    one: ``native.bridge`` (bitsandbytes' kernels launched from C++, the same bits), else ``None`` (bitsandbytes'
+    Python function). ``quant`` takes it as an argument and never imports the extension."""
+    return bridge if native else None
 
 
 def norm_impl(

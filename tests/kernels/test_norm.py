@@ -362,10 +362,11 @@ def test_split_fills_the_gpu_without_short_chunks(monkeypatch):
 
 
 def test_scales_plan_stands_in_for_what_finish_launches(monkeypatch):
-    """The C++ plans of the scales kernel (``norm.native_plan``'s and ``norm_small.native_plan``'s, both through
-    ``scales_plan``) are asked for with the dtypes and integers ``finish`` launches it with: the compiled kernel they
-    look up is the one the Python path compiled."""
+    """The C++ plans of the scales kernel (``native.plans.norm_gemm_miss``'s and ``norm_small_miss``'s, both
+    through ``scales_kernel``) are asked for with the dtypes and integers ``finish`` launches it with: the compiled
+    kernel they look up is the one the Python path compiled."""
     from flashdora.kernels import launcher, scales
+    from flashdora.native import plans
 
     launched, asked = [], []
 
@@ -377,12 +378,12 @@ def test_scales_plan_stands_in_for_what_finish_launches(monkeypatch):
         return 0, 1  # (config, then the launch's fields)
 
     monkeypatch.setattr(launcher, "launch_jit", launch_jit)
-    monkeypatch.setattr(launcher, "jit_plan", jit_plan)
+    monkeypatch.setattr(plans, "jit_plan", jit_plan)
     lora_B = torch.randn(40, 8, dtype=torch.bfloat16)
     for m_dtype in (torch.float32, torch.bfloat16):
         magnitude = torch.rand(40, dtype=m_dtype)
         scales.finish(torch.randn(3, 40), magnitude, True)
-        assert scales.scales_plan(lora_B, magnitude, 3, 40) == (1,)
+        assert plans.scales_kernel(lora_B, magnitude, 3, 40) == (1,)
 
     def kinds(args):
         return [a.dtype if isinstance(a, torch.Tensor) else a for a in args]

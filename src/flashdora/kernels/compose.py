@@ -262,19 +262,6 @@ def _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner):
     return t, n, y, inner, (key, args, flags)
 
 
-def fwd_plan(result, a, lora_B, scales, scaling, bias, save_inner, lx_base=None) -> tuple | None:
-    """How ``flashdora.native``'s forward launches ``compose_fwd_fused`` for a call like this one:
-    ``(CUfunction, warps, shared bytes, BLOCK_M, BLOCK_N, parameter types, kept arguments)``, or ``None`` until
-    ``compose_fwd_fused`` has tuned and compiled that kernel. ``a`` may be a stand-in of the LoRA A output's dtype and
-    width (the plan depends on its alignment, never its values)."""
-    t, n, _, _, (key, args, flags) = _fused_call(result, a, lora_B, scales, scaling, bias, lx_base, save_inner)
-    plan = launcher.direct_plan(_compose_fused_fwd_kernel, key, args, flags) if t > 0 and n > 0 else None
-    if plan is None:
-        return None
-    config, function, warps, shared, types, keep = plan
-    return function, warps, shared, config["BLOCK_M"], config["BLOCK_N"], types, keep
-
-
 def compose_bwd(dy, inner, scales, has_lx_base, gdy_scale=1.0):
     """Triton ``compose_bwd_eager``: ``((dy gdy_scale) g, (g - 1) dy or None, sum_tokens dy * inner / norm or None)``.
 
@@ -329,32 +316,3 @@ def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]
     like = scales.new_empty(1).expand(_cdiv(t, rows) if t > 0 else 0, n)
     hit = _BWD_SPLIT[key] = (rows, like)
     return hit
-
-
-_BWD_PLANS: dict[tuple, tuple] = {}
-
-
-def bwd_plan(t: int, n: int, dtype: torch.dtype, scales: torch.Tensor, has_lx_base: bool = False) -> tuple | None:
-    """How ``flashdora.native``'s backward node launches ``compose_bwd`` on ``t`` x ``n`` ``dtype`` gradients:
-    ``(CUfunction, warps, shared bytes, BLOCK_N, n_split, rows_per_prog, parameter types, kept arguments)``, or
-    ``None`` until ``compose_bwd`` has compiled that kernel (its first call tunes and compiles it through Triton).
-
-    The node passes ``dy`` contiguous and 16-byte aligned, ``inner`` and the outputs fresh (aligned); with
-    ``has_lx_base`` (dropout's exact form) it also writes ``(g - 1) dy``: the plan is the kernel ``compose_bwd``
-    compiled for such a call."""
-    key = (t, n, dtype, scales.dtype, scales.stride(0), scales.data_ptr() & 15, scales.device, has_lx_base)
-    plan = _BWD_PLANS.get(key)
-    if plan is not None:
-        return plan
-    if t == 0 or n == 0:
-        return None
-    rows, like = _bwd_split(t, n, scales)
-    part = like.new_empty(1)  # an aligned stand-in for each tensor the node allocates or aligns
-    args = (part, part, scales, part, part, part, t, n, rows, 1.0, n, n, n, n, scales.stride(0))
-    flags = dict(HAS_INNER=True, HAS_LX_BASE=has_lx_base, EMULATE_RNE=configs.INTERPRETED)  # as compose_bwd's
-    got = launcher.direct_plan(_compose_bwd_kernel, (n, dtype, dtype, scales.dtype), args, flags)
-    if got is None:
-        return None
-    config, function, warps, shared, types, keep = got
-    plan = _BWD_PLANS[key] = (function, warps, shared, config["BLOCK_N"], like.shape[0], rows, types, keep)
-    return plan

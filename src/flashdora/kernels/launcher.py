@@ -1,6 +1,7 @@
 """How flashdora launches its autotuned Triton kernels: ``launch`` (one config per kernel by default, or Triton's
 autotuner under ``FLASHDORA_AUTOTUNE=1``), then the compiled kernel straight through torch's C++ launcher on later
-calls, and ``direct_plan`` for the C++ compose (``flashdora.native``). The config lists live in ``configs``."""
+calls (``native.plans`` reads the compiled kernels from here for the C++ side). The config lists live in
+``configs``."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def launch_jit(kernel, grid: tuple, args: tuple, flags: dict) -> None:
     """``kernel[grid](*args, **flags)`` for a plain ``@triton.jit`` kernel (nothing to tune), as ``launch`` runs an
     autotuned one: compiled through Triton's JIT at the first call of each (argument dtypes, device, flags,
     specialization), then launched directly. The tensors' dtypes are part of the key here (Triton compiles a kernel
-    per pointer dtype), so a caller has nothing to get wrong; ``jit_plan`` gives the plan to ``flashdora.native``."""
+    per pointer dtype), so a caller has nothing to get wrong."""
     if not backend.private_apis():
         kernel[grid](*args, **flags)
         return
@@ -194,35 +195,6 @@ def _run(fn, g: tuple, tuned_key: tuple, args: tuple, flags: dict, config: dict,
         g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, function, packed, metadata,
         enter, leave, *args, *tail,
     )  # fmt: skip
-
-
-def direct_plan(kernel, key: tuple, args: tuple, flags: dict) -> tuple | None:
-    """How to launch, from C++ (``flashdora.native``), the kernel ``launch`` runs for a call with these arguments:
-    ``(tuned config, CUfunction, warps, shared bytes, parameter types, kept argument positions)``, or ``None`` until
-    ``launch`` has tuned and compiled it, and where it runs through Triton's launcher instead of torch's."""
-    tuned = _TUNED.get((id(kernel), key))
-    if tuned is None or INTERPRETED or type(kernel.fn) is Heuristics or not backend.private_apis():
-        return None
-    config, n_tensors = tuned
-    return _plan((id(kernel), key), config, n_tensors, args, flags)
-
-
-def jit_plan(kernel, args: tuple, flags: dict) -> tuple | None:
-    """``direct_plan`` for a plain ``@triton.jit`` kernel that ``launch_jit`` has compiled for calls like this one
-    (its config: ``{}``)."""
-    n_tensors = _JIT_TENSORS.get(id(kernel))
-    if n_tensors is None or INTERPRETED or not backend.private_apis():
-        return None
-    return _plan(_jit_key(kernel, args, n_tensors), {}, n_tensors, args, flags)
-
-
-def _plan(tuned_key: tuple, config: dict, n_tensors: int, args: tuple, flags: dict) -> tuple | None:
-    spec = _launch_specialization(args, n_tensors)
-    hit = _COMPILED.get((tuned_key, args[0].get_device(), tuple(flags.values()), (), spec))
-    if hit is None or hit[0] is not None:
-        return None
-    _, _, function, warps, shared, types, _, keep = hit[:8]
-    return config, function, warps, shared, types, list(range(len(args)) if keep is None else keep)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -20,7 +20,7 @@ from flashdora.kernels import configs, launcher, norm_gemm, norm_small
 from flashdora.kernels._common import HALF
 from flashdora.kernels.norm_fp32 import fused_partials
 from flashdora.kernels.norm_gemm import norm_half, weight_sq
-from flashdora.kernels.scales import finish, outputs, scales_plan
+from flashdora.kernels.scales import finish, outputs
 
 
 def _partials(weight, lora_A, lora_B, scaling, w_sq) -> torch.Tensor:
@@ -57,32 +57,3 @@ def norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, out=None, w_sq=N
         norm_small.norm_and_scales(weight, lora_A, lora_B, scaling, magnitude, w_sq, norm, scales)
         return norm, scales
     return finish(_partials(weight, lora_A, lora_B, scaling, w_sq), magnitude, True, out)
-
-
-def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
-    """What ``flashdora.native``'s ``norm_scales`` needs to compute ``norm_and_scales`` for a layer like this one
-    (16-bit ``weight``, one chunk of ``norm_gemm``: the path it takes in C++, the same launches in the same order):
-    ``(transposed, BLOCK_J, epilogue's BLOCK_M, its CUfunction, warps, shared, types, kept arguments, then the scales
-    kernel's CUfunction, warps, shared, types, kept arguments)``. ``None`` for other layers, and until a Python-path
-    call has compiled the kernels and timed the cross term's layout."""
-    d_out, d_in = weight.shape
-    r = lora_A.shape[0]
-    if weight.dtype not in HALF or d_out > norm_gemm._CHUNK_ELEMENTS // r:
-        return None
-    transposed = norm_gemm._TRANSPOSED.get((d_out, d_in, r, weight.dtype, weight.device))
-    if transposed is None:
-        return None
-    block_j = configs.norm_block_r(r)
-    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
-    stride_cm, stride_cj = (1, d_out) if transposed else (r, 1)  # C = W a^T as [r, d_out] or [d_out, r]
-    epilogue = launcher.direct_plan(
-        norm_gemm._epilogue_kernel, (r, lora_B.dtype),
-        (f32, lora_B, f32, f32, f32, d_out, r, 1.0, 1.0, stride_cm, stride_cj, lora_B.stride(0), lora_B.stride(1),
-         d_out),
-        dict(BLOCK_J=block_j),
-    )  # fmt: skip
-    scales = scales_plan(lora_B, magnitude, triton.cdiv(r, block_j), d_out)
-    if epilogue is None or scales is None:
-        return None
-    config, *epilogue_launch = epilogue
-    return (transposed, block_j, config["BLOCK_M"], *epilogue_launch, *scales)

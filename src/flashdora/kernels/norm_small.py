@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashdora.kernels import configs, launcher
 from flashdora.kernels._common import HALF, _store_scales, _to_out
-from flashdora.kernels.scales import finish, scales_plan
+from flashdora.kernels.scales import finish
 
 MAX_R = 64  # the largest rank this kernel takes (its accumulators: [BLOCK_M, r] and [r, r] float32 per program)
 # Splitting d_in: aim at PROGRAMS_PER_SM programs a multiprocessor (counting row blocks of SPLIT_BLOCK_M rows), each
@@ -160,25 +160,3 @@ def norm_and_scales(weight, lora_A, lora_B, scaling: float, magnitude, w_sq, nor
     launcher.launch(_small_kernel, grid, _key(weight, lora_A, lora_B, m), args, _flags(lora_A.shape[0], n_split > 1))
     if n_split > 1:
         finish(part, m, True, (norm, scales))
-
-
-def native_plan(weight, lora_A, lora_B, magnitude) -> tuple | None:
-    """What ``flashdora.native``'s ``register_norm_small`` takes for layers like this one: ``(BLOCK_M, splits, chunk,
-    CUfunction, warps, shared bytes, parameter types, kept arguments)``, then the scales kernel's ``(CUfunction,
-    warps, shared bytes, parameter types, kept arguments)`` (zeros and empties for one split), or ``None`` until a
-    Python-path call has compiled the kernels."""
-    d_out = weight.shape[0]
-    n_split, chunk = split(weight)
-    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
-    m = lora_B.new_empty(1, dtype=magnitude.dtype)
-    scales = f32.new_empty((3, d_out))
-    args = _args(weight, lora_A, lora_B, f32, m, f32, scales, f32, 1.0, chunk)
-    flags = _flags(lora_A.shape[0], n_split > 1)
-    plan = launcher.direct_plan(_small_kernel, _key(weight, lora_A, lora_B, m), args, flags)
-    if plan is None:
-        return None
-    finish_plan = (0, 0, 0, "", []) if n_split == 1 else scales_plan(lora_B, magnitude, n_split, d_out)
-    if finish_plan is None:
-        return None
-    config, *launch = plan
-    return (config["BLOCK_M"], n_split, chunk, *launch, *finish_plan)

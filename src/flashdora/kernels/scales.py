@@ -66,12 +66,3 @@ def _scales_flags(from_sq: bool) -> dict:
 def scales_from_norm(magnitude, norm) -> torch.Tensor:
     """``ops.norm.scales(magnitude, norm)`` (float32) in one launch."""
     return finish(norm.detach().float().reshape(1, -1).contiguous(), magnitude, from_sq=False)[1]
-
-
-def scales_plan(lora_B, magnitude, n_part: int, d_out: int) -> tuple | None:
-    """How C++ launches ``finish``'s scales kernel on ``n_part`` partial rows of ``d_out`` for layers like this one:
-    ``(CUfunction, warps, shared, types, kept arguments)``, or ``None`` until a Python-path call has compiled it."""
-    f32 = lora_B.new_empty(1, dtype=torch.float32)  # stand-ins: a plan depends on dtypes and alignment only
-    m = lora_B.new_empty(1, dtype=magnitude.dtype)
-    got = launcher.jit_plan(_scales_kernel, (f32, m, f32, f32, n_part, d_out, d_out), _scales_flags(True))
-    return None if got is None else tuple(got[1:])

@@ -46,6 +46,7 @@ def prime(mod, result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base
     """File with ``mod`` the plans of the forward kernel and, in training, of the backward kernel, for calls like
     this one, compiling each on scratch tensors first where Python has not yet; whether both are filed."""
     from flashdora.kernels import compose as kc
+    from flashdora.native import plans
 
     train = torch.is_grad_enabled() and magnitude.requires_grad
     n = result.shape[-1]
@@ -59,15 +60,15 @@ def prime(mod, result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base
     with torch.no_grad():
         a = result.new_zeros((t, lora_A.shape[0]), dtype=cd)  # stands in for x A^T: plans read dtypes and alignment
         b = lora_B if lora_B.numel() < kc.CAST_B_FIRST else cast(lora_B, cd)
-        fwd = kc.fwd_plan(result, a, b, scales, scaling, bias, train, lx_base)
+        fwd = plans.compose_fwd(result, a, b, scales, scaling, bias, train, lx_base)
         if fwd is None:  # compile (and tune) the forward kernel: outputs discarded
             kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=train)
-            fwd = kc.fwd_plan(result, a, b, scales, scaling, bias, train, lx_base)
-        bwd = kc.bwd_plan(t, n, result.dtype, scales, has_lx) if train else ()
+            fwd = plans.compose_fwd(result, a, b, scales, scaling, bias, train, lx_base)
+        bwd = plans.compose_bwd(t, n, result.dtype, scales, has_lx) if train else ()
         if bwd is None:  # the backward kernel, on zeros shaped like its gradients
             dy = torch.zeros_like(result, memory_format=torch.contiguous_format)
             kc.compose_bwd(dy, dy, scales, has_lx)
-            bwd = kc.bwd_plan(t, n, result.dtype, scales, has_lx)
+            bwd = plans.compose_bwd(t, n, result.dtype, scales, has_lx)
     if fwd is None or bwd is None:
         _UNPLANNED.add(key)
         return False
@@ -101,10 +102,10 @@ def _file_norm_plan(mod, weight, lora_A, lora_B, magnitude) -> bool:
     """Files with the extension how ``norm_and_scales`` launched for this layer (its small-rank kernel, with the
     scales kernel where it splits d_in, or ``norm_gemm``'s epilogue and the scales kernel); whether it did."""
     from flashdora.kernels import norm_small
-    from flashdora.kernels.norm import native_plan
+    from flashdora.native import plans
 
     small = norm_small.takes(weight, lora_A)
-    plan = (norm_small.native_plan if small else native_plan)(weight, lora_A, lora_B, magnitude)
+    plan = (plans.norm_small_miss if small else plans.norm_gemm_miss)(weight, lora_A, lora_B, magnitude)
     if plan is None:
         return False
     (mod.register_norm_small if small else mod.register_norm)(weight, lora_A, lora_B, magnitude, *plan)

@@ -212,8 +212,9 @@ _set_grad_enabled = torch._C._set_grad_enabled
 
 def _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized=None, dtype=None, impl=None) -> torch.Tensor:
     """The scales computed now, kept nowhere (no cache, meta tensors, inference tensors)."""
-    weight = weight if quantized is None else dequantized(quantized, weight, dtype)
-    impl = impl or dispatch.norm_impl(weight, lora_A, lora_B, magnitude)
+    impl = impl or dispatch.norm_impl(weight, lora_A, lora_B, magnitude, quantized is not None)
+    if quantized is not None:
+        weight = dequantized(quantized, weight, dtype, dispatch.dequantizer(impl == "native"))
     return fresh(weight, lora_A, lora_B, magnitude, scaling, impl)[1]
 
 
@@ -353,7 +354,8 @@ def _update(
         w_key = (_base_sq_key(weight, key[0]), _events, _steps if stepped is None else _last_step(stepped))
         new_sq = cache.get("w_sq_key") != w_key
         if quantized is not None:
-            weight = dequantized(quantized, weight, dtype)  # the 16-bit weight the forward computes with, freed after
+            # the 16-bit weight the forward computes with, freed after
+            weight = dequantized(quantized, weight, dtype, dispatch.dequantizer(impl == "native"))
         if new_sq:
             backend.count("norm:base_sq")
             cache["w_sq"], cache["w_sq_key"] = weight_sq(weight, impl != "eager"), w_key

@@ -115,7 +115,7 @@ def lean_forward(self, x, *args, **kwargs):
     if not _bnb(base):
         return _adapt(self, active, x, base(x), seq, "module", native)
     try:
-        result, fresh = bnb_base.result(base, x, native)
+        result, fresh = bnb_base.result(base, x, dispatch.dequantizer(native))
         return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer", native)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
@@ -161,7 +161,7 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
     native = dispatch.native_for(self, x)
     seq = after_base()
     try:
-        result, fresh = bnb_base.result(mods["base_layer"], x, native)
+        result, fresh = bnb_base.result(mods["base_layer"], x, dispatch.dequantizer(native))
         if not fresh and _CLONES[self._flashdora_kind]:
             result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
         base_kind = "bnb" if fresh else "layer"

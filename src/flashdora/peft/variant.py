@@ -93,7 +93,8 @@ def flash_forward(
     autocast = torch.is_autocast_enabled(x.device.type)
     if quantized:  # (as PEFT's QDoRA; an 8-bit weight straight in the dtype the matmul runs in)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else lora_x.dtype
-        w = dequantized(base, None if module.fan_in_fan_out else weight, dtype)
+        fast = dispatch.dequantizer(compose == "native")
+        w = dequantized(base, None if module.fan_in_fan_out else weight, dtype, fast)
     else:
         w = weight
     w = w if autocast else w.to(lora_x.dtype)

@@ -6,10 +6,10 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the sam
 
 - ``Linear4bit``: past ``_gemm_4bit_custom_max_m`` rows (1536 on CUDA in bitsandbytes 0.50) its ``gemm_4bit`` op
   dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
-  is dequantized by bitsandbytes' own kernels launched from C++ (``quant.dequant``: the same bits), then ``F.linear``
-  with the same operands, and a backward that dequantizes again. The forward's dense weight is also the one a
-  norm-cache miss of the same layer needs: ``dequant.kept_dense`` hands it over (the miss then dequantizes nothing),
-  and ``release`` drops it once the layer's call is done.
+  is dequantized by bitsandbytes' own kernels launched from C++ (``native.bridge``, which ``dispatch`` passes in),
+  then ``F.linear`` with the same operands, and a backward that dequantizes again. The forward's dense weight is
+  also the one a norm-cache miss of the same layer needs: ``dequant.kept_dense`` hands it over (the miss then
+  dequantizes nothing), and ``release`` drops it once the layer's call is done.
 - ``Linear8bitLt`` (a frozen int8 weight): its forward quantizes the input row-wise to int8 and calls the
   ``int8_scaled_mm`` op (``int8_mixed_scaled_mm`` above an outlier threshold); its backward dequantizes ``CB`` to the
   input's dtype for ``grad_x``. Here the same ops and the same backward.
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from flashdora import backend
-from flashdora.native import bridge
 from flashdora.peft import support
 from flashdora.quant import dequant
 from flashdora.quant.dequant import release  # noqa: F401 (peft.layers calls quant.base.release)
@@ -88,7 +87,7 @@ def _free(base, x) -> bool:
     )  # fmt: skip
 
 
-def _plan4(base, x, native: bool):
+def _plan4(base, x, fast):
     """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
     if not _tested() or not _free(base, x):
         return None
@@ -108,9 +107,9 @@ def _plan4(base, x, native: bool):
     if bias is not None and (bias.requires_grad or bias.dtype != state.dtype):
         return None  # (bitsandbytes then casts the bias in place, or trains it)
     packed = weight.detach()
-    if packed.is_cuda and (not native or bridge.takes_4bit(packed, state) is None):
+    if packed.is_cuda and (fast is None or fast.takes_4bit(packed, state) is None):
         return None  # no C++ dequantization for this call: nothing to gain
-    return (x if cd is None else x.to(cd)), packed, state, bias
+    return (x if cd is None else x.to(cd)), packed, state, bias, fast
 
 
 def _first_call_4bit(base, x) -> None:
@@ -141,18 +140,19 @@ class _Linear4bit(torch.autograd.Function):
     """``F.linear(x, W, bias)`` with ``W`` dequantized in the forward and again in the backward (never saved)."""
 
     @staticmethod
-    def forward(ctx, x, packed, state, bias):
-        w = dequant.keep_dense(packed, state)
+    def forward(ctx, x, packed, state, bias, fast):
+        w = dequant.keep_dense(packed, state, fast)
         ctx.save_for_backward(packed)  # (an in-place write into the packed weight before backward raises)
-        ctx.state = state
+        ctx.state, ctx.fast = state, fast
         return F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         (packed,) = ctx.saved_tensors
-        return torch.matmul(grad, dequant.dequantize_4bit(packed, ctx.state).to(grad.dtype)), None, None, None
+        w = dequant.dequantize_4bit(packed, ctx.state, ctx.fast)
+        return torch.matmul(grad, w.to(grad.dtype)), None, None, None, None
 
 
 def _plan8(base, x):
@@ -215,14 +215,14 @@ class _Linear8bit(torch.autograd.Function):
         return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None, None
 
 
-def result(base, x: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, bool]:
+def result(base, x: torch.Tensor, fast=None) -> tuple[torch.Tensor, bool]:
     """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
-    else it is the layer's own call. ``native``: the call may use the C++ extension (``dispatch.native_for``). The
-    caller ``release``s once the layer's call is done (a ``finally``)."""
+    else it is the layer's own call. ``fast``: the C++ 4-bit dequantization (``native.bridge``) where the call's route
+    is ``native`` (``dispatch.dequantizer``), else ``None``. The caller ``release``s once the layer's call is done."""
     dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
-        plan = _plan4(base, x, native)
+        plan = _plan4(base, x, fast)
         if plan is not None:
             return _result4(x, *plan), True
     elif name == "Linear8bitLt":
@@ -236,10 +236,10 @@ def result(base, x: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, b
     return base(x), False
 
 
-def _result4(x, xc, packed, state, bias):
+def _result4(x, xc, packed, state, bias, fast):
     backend.count("base:4bit")
     if torch.is_grad_enabled() and xc.requires_grad:
-        out = _Linear4bit.apply(xc, packed, state, bias)
+        out = _Linear4bit.apply(xc, packed, state, bias, fast)
     else:
-        out = F.linear(xc, dequant.keep_dense(packed, state), bias)
+        out = F.linear(xc, dequant.keep_dense(packed, state, fast), bias)
     return out.to(x.dtype)

@@ -1,8 +1,8 @@
 """A bitsandbytes layer's weight as a dense tensor: PEFT's dequantization, and the dense weight a forward holds.
 
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
-own kernels (launched from C++ on CUDA where the extension is built and the bitsandbytes version was tested:
-``native.bridge.takes_4bit``), an 8-bit one by one Triton kernel or a row chunk at a time. Where
+own kernels (launched from C++ where the call's route is ``native``: the caller passes ``native.bridge`` as
+``fast``; quant never imports the extension), an 8-bit one by one Triton kernel or a row chunk at a time. Where
 ``quant.base.result`` computed the layer's base result itself, the 4-bit weight its forward dequantized is kept here
 (``keep_dense``) until the layer's call ends (``release``), and the miss takes it (``kept_dense``) instead of
 dequantizing again.
@@ -14,24 +14,24 @@ import torch
 
 from flashdora import backend, config
 from flashdora.config import bnb_tested  # noqa: F401 (quant.base asks it here)
-from flashdora.native import bridge
 
 _dense: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
 
 
-def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | None = None, fast=None) -> torch.Tensor:
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization).
 
     A 4-bit weight: ``dequantize_4bit``'s values (the forward's kept weight, ``kept_dense``, where ``quant.base`` ran
     it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/host-notes.md). An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
-    ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one."""
+    ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one. ``fast``: as
+    ``dequantize_4bit``."""
     weight = base.weight
     with torch.no_grad():
         kind = type(weight).__name__
         if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
             packed = weight.data if packed is None else packed
             out = kept_dense(packed, weight.quant_state)  # the layer's forward has just dequantized it
-            return dequantize_4bit(packed, weight.quant_state) if out is None else out
+            return dequantize_4bit(packed, weight.quant_state, fast) if out is None else out
         if kind == "Int8Params":
             out = _dequantize_int8(base, weight.data if packed is None else packed, dtype or torch.float32)
             if out is not None:
@@ -41,10 +41,10 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
         return dequantize_module_weight(base)
 
 
-def dequantize_4bit(packed: torch.Tensor, state) -> torch.Tensor:
-    """``bitsandbytes.functional.dequantize_4bit(packed, state)``: from C++ where ``_native_dequantize_4bit`` runs
-    (the same bits), else that function itself."""
-    out = bridge.dequantize_4bit(packed, state)
+def dequantize_4bit(packed: torch.Tensor, state, fast=None) -> torch.Tensor:
+    """``bitsandbytes.functional.dequantize_4bit(packed, state)``: ``fast.dequantize_4bit`` (``native.bridge``: the
+    same bits from C++) where ``fast`` is given and takes the call, else that function itself."""
+    out = None if fast is None else fast.dequantize_4bit(packed, state)
     if out is None:
         import bitsandbytes as bnb
 
@@ -81,10 +81,10 @@ def _dequantize_int8(base, data: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return out
 
 
-def keep_dense(packed, state) -> torch.Tensor:
+def keep_dense(packed, state, fast=None) -> torch.Tensor:
     """The dense weight (``dequantize_4bit``), kept for the layer's norm-cache miss (``kept_dense``)."""
     global _dense
-    w = dequantize_4bit(packed, state)
+    w = dequantize_4bit(packed, state, fast)
     _dense = (packed.data_ptr(), packed._version, state, w)
     return w
 

@@ -29,7 +29,7 @@ inline LaunchFn launch_fn() {
 }
 
 // One compiled Triton kernel and its tuned blocks: what Triton's launcher would pass it, decided in Python
-// (kernels/compose.py: fwd_plan, bwd_plan).
+// (native/plans.py: compose_fwd, compose_bwd).
 struct Plan {
   int64_t function = 0;     // CUfunction
   int64_t warps = 4;

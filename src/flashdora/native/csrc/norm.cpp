@@ -190,7 +190,7 @@ py::object dequantize_4bit(const at::Tensor& packed, const at::Tensor& absmax, i
   return py::cast(out);
 }
 
-// File the plan of `norm_scales` for layers like this one (kernels/norm.py `native_plan`).
+// File the plan of `norm_scales` for layers like this one (native/plans.py `norm_gemm_miss`).
 void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
                    const at::Tensor& magnitude, bool transposed, int64_t block_j, int64_t block_m,
                    int64_t e_function, int64_t e_warps, int64_t e_shared, std::string e_types,
@@ -206,7 +206,7 @@ void register_norm(const at::Tensor& weight, const at::Tensor& lora_A, const at:
   plan.scales = Plan{s_function, s_warps, s_shared, 0, 0, 1, std::move(s_types), std::move(s_keep)};
 }
 
-// File the plan of `norm_scales` for small ranks (kernels/norm_small.py `native_plan`).
+// File the plan of `norm_scales` for small ranks (native/plans.py `norm_small_miss`).
 void register_norm_small(const at::Tensor& weight, const at::Tensor& lora_A, const at::Tensor& lora_B,
                          const at::Tensor& magnitude, int64_t block_m, int64_t n_split, int64_t chunk,
                          int64_t function, int64_t warps, int64_t shared, std::string types, std::vector<int64_t> keep,
