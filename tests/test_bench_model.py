@@ -290,3 +290,58 @@ def test_model_interleave_out_of_memory_names_the_way_out(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match=r"out of memory .*2 copies of tiny: peft_lora, flashdora.*fewer --modes"):
         main([*argv, "--device", "cpu", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # no result files for a run that measured nothing
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_model_host_times_layer_calls_by_phase(tmp_path, interleave):
+    """``--host``: one more step per mode with timers around the LoRA layers' forwards (forward and recomputation),
+    the compose node's backward, the norm misses and the optimizer step; the classes' forwards come back after."""
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    from flashdora.peft.layers import FlashDoraLinear
+
+    forwards = (PeftLinear.__dict__["forward"], FlashDoraLinear.__dict__["forward"])
+    argv = ["model", "--preset", "tiny", "--seq", "8", "--phases", "train", "inference", "--modes", "peft_lora"]
+    argv += ["flashdora", "--reps", "1", "--warmup", "1", "--host", *(["--interleave"] if interleave else [])]
+    result, files = run_bench(tmp_path, *argv)
+    assert (PeftLinear.__dict__["forward"], FlashDoraLinear.__dict__["forward"]) == forwards
+    assert "forward" not in FlashDoraLinear.__dict__ or FlashDoraLinear.__dict__["forward"] is forwards[1]
+    rows = {(r["mode"], r["phase"]): r for r in result["records"]}
+    layers = 2 * 7
+    for mode in ("peft_lora", "flashdora"):
+        train, infer = rows[(mode, "train")]["host"], rows[(mode, "inference")]["host"]
+        assert train["forward"]["calls"] == layers and train["forward"]["us"] > 0
+        assert 0 < train["recompute"]["calls"] <= layers  # (non-reentrant checkpointing may stop a recomputation)
+        assert train["optimizer"]["calls"] == 1 and infer["optimizer"]["calls"] == 0
+        assert infer["forward"]["calls"] == layers and infer["recompute"]["calls"] == 0
+        assert rows[(mode, "train")]["kernel_ms"] is None and "host_gap_ms" not in rows[(mode, "train")]  # (CPU)
+    fd = rows[("flashdora", "train")]["host"]
+    assert fd["backward"]["calls"] == layers and fd["norm_miss"]["calls"] == layers  # weights change every step
+    assert rows[("flashdora", "inference")]["host"]["norm_miss"]["calls"] == 0  # (kept since the train phase)
+    assert rows[("peft_lora", "train")]["host"]["norm_miss"]["calls"] == 0
+    md = files[".md"].read_text()
+    assert "| tiny | train | flashdora | " in md.split("Host time by phase")[1] and "GPU ms" not in md
+
+
+def test_model_host_refuses_compile():
+    with pytest.raises(SystemExit):
+        main(["bench", "model", "--preset", "tiny", "--host", "--compile", "--device", "cpu"])
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_ms_is_the_gpu_time_of_a_step():
+    """``host.kernel_ms``: the profiled device time of one call, about a matmul's CUDA-event time."""
+    from flashdora.tools.bench import host
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run `pytest -m gpu` on a GPU machine)")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    end.record()
+    torch.cuda.synchronize()
+    ms = host.kernel_ms(lambda: a @ a, "cuda")
+    assert 0.5 * start.elapsed_time(end) < ms < 1.5 * start.elapsed_time(end)

@@ -166,6 +166,8 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")
         if args.rounds > 1 and args.compile:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
+        if args.compile and getattr(args, "host", False):
+            error("--host times the layers' Python forwards, which a compiled model does not run; run it without --compile")
         if args.compile and "decode" in args.phases:
             error("--compile does not reach generate's forward passes; run decode without it")
         if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:

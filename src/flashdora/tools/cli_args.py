@@ -294,6 +294,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "Linear8bitLt): peft_lora is then QLoRA, peft_dora PEFT's QDoRA (default: %(default)s)",
     )
     p.add_argument("--compile", action="store_true", help="torch.compile each mode's model (not with decode)")
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="one more untimed step per mode and phase with timers: host time of a LoRA layer call by phase "
+        "(forward, checkpointing's recomputation, the backward of the compose node, norm cache misses) and of the "
+        "optimizer step; the GPU's kernel time and the host gap are reported on CUDA without it",
+    )
     _common(p, results=True)
 
 

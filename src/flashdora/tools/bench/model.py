@@ -22,7 +22,7 @@ import time
 import torch
 
 import flashdora
-from flashdora.tools.bench import record, timing
+from flashdora.tools.bench import host, record, timing
 from flashdora.tools.bench.model_build import TARGETS, build_base, build_config, build_weights, default_rank, wrap
 from flashdora.tools.bench.model_interleave import ORDER, run_interleaved
 from flashdora.tools.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, native_off, phase_row, step_fn
@@ -49,6 +49,7 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
                 tokens_per_s=row["tokens"] * (args.grad_accum if phase in ("grad", "train") else 1) / (m.ms * 1e-3),
                 first_ms=first[0] / per,
             )
+            row.update(host.view(target, step, phase, args, device, row["ms"]))
         except Exception as e:  # noqa: BLE001 - recorded in the row and printed; the other modes still run
             timing.free_memory(device)
             error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
@@ -111,6 +112,7 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
             row["round_warmup_s"] = [r["warmup_s"] for r in same]  # (``warmup_s``: the first round's, compiles too)
             row["round_first_ms"] = [r["first_ms"] for r in same]  # (``first_ms``: the first round's)
             row["tokens_per_s"] = row["tokens_per_s"] * same[0]["ms"] / row["ms"]
+            row.update(host.gap(row))  # (the first round's kernel time against the pooled median)
         pooled.append(row)
     return pooled
 

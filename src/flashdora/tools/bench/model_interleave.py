@@ -12,7 +12,7 @@ other (the Markdown's "paired vs peft_lora": the median of those ratios). The co
 Per row: ``first_ms`` is the mode's first (cold) step alone, the modes' first steps in the listed order; ``paths``
 are the flashdora paths of that step; ``warmup_s`` the wall time of the mode's ``--warmup`` untimed calls (queue
 drained around each); ``peak_extra_gib`` the largest of its timed calls' peaks above what was allocated right
-before the call (every model resident).
+before the call (every model resident); ``kernel_ms`` and ``host`` as ``host.view`` gives them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import torch
 
 import flashdora
-from flashdora.tools.bench import timing
+from flashdora.tools.bench import host, timing
 from flashdora.tools.bench.model_build import prepare, wrap
 from flashdora.tools.bench.model_phases import native_off, phase_row, step_fn
 
@@ -78,6 +78,8 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
         times = timing.measure_interleaved(
             fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None
         )
+        for mode, fn in fns.items():  # (untimed: the GPU's time of a step, and with --host the host's by phase)
+            rows[mode].update(host.view(models[mode], fn, phase, args, device))
     except Exception as e:  # noqa: BLE001 - recorded in every row of the phase; the other phases still run
         fns = None
         timing.free_memory(device)
@@ -95,6 +97,7 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
             warmup_s=warmup_s[mode],
             tokens_per_s=row["tokens"] * (args.grad_accum if phase in ("grad", "train") else 1) / (ms * per * 1e-3),
         )
+        row.update(host.gap(row))
     return [rows[mode] for mode in models]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flashdora.tools.bench import record
+from flashdora.tools.bench.host import PHASES as HOST_PHASES
 
 MODES = ("base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter")
 PHASES = ("inference", "grad", "train", "decode")
@@ -33,6 +34,7 @@ def render_markdown(result: dict) -> str:
         return record.paired_ratio(this, lora)
 
     rounds = any("round_ms" in r for r in recs)
+    gpu = any(r.get("kernel_ms") is not None for r in recs)
     interleaved = record.interleaved(result)
     columns = [
         "preset",
@@ -42,6 +44,7 @@ def render_markdown(result: dict) -> str:
         "tokens",
         "ms",
         *(["each round's median ms"] if rounds else []),
+        *(["GPU ms", "host gap ms"] if gpu else []),
         "tokens/s",
         "vs base",
         "vs peft_lora",
@@ -65,6 +68,7 @@ def render_markdown(result: dict) -> str:
                 r["tokens"],
                 r["ms"],
                 *([" / ".join(f"{v:.1f}" for v in r.get("round_ms", []))] if rounds else []),
+                *([r.get("kernel_ms"), r.get("host_gap_ms")] if gpu else []),
                 r.get("tokens_per_s"),
                 ratio(r, "base"),
                 ratio(r, "peft_lora"),
@@ -89,7 +93,13 @@ def render_markdown(result: dict) -> str:
                 "round's steps); peak extra GiB: above the resident model and adapters; warm-up s: wall time of the "
                 f"{result['protocol']['warmup']} untimed steps before them (the first round's with rounds): Triton's "
                 "compiles and autotuning, cuBLAS's first calls; first ms: wall time "
-                "of the first (cold) step alone.",
+                "of the first (cold) step alone."
+                + (
+                    " GPU ms: the device time of one more step's kernels, copies and fills (torch.profiler); host "
+                    "gap ms: ms minus GPU ms, the time the GPU waited for the host."
+                    if gpu
+                    else ""
+                ),
                 *_phase_notes(result),
                 *(
                     [
@@ -102,10 +112,37 @@ def render_markdown(result: dict) -> str:
                 ),
                 "",
                 record.table(columns, rows),
+                *_host_table(recs),
             ]
         )
         + "\n"
     )
+
+
+def _host_table(recs: list[dict]) -> list[str]:
+    """``--host``'s table: host time of a LoRA layer call by phase, per (mode, phase) row."""
+    rows = [r for r in recs if r.get("host")]
+    if not rows:
+        return []
+
+    def cell(h, unit=1.0):
+        return "-" if not h or h["us"] is None else f"{h['us'] / unit:.1f} ({h['calls']})"
+
+    table = [
+        [r["preset"], r["phase"], r["mode"], *(cell(r["host"].get(p)) for p in HOST_PHASES[:-1]),
+         cell(r["host"].get("optimizer"), 1e3)]
+        for r in sorted(rows, key=lambda r: (r["preset"], PHASES.index(r["phase"]), MODES.index(r["mode"])))
+    ]  # fmt: skip
+    columns = ["preset", "phase", "mode", "forward us", "recompute us", "backward us", "norm miss us", "optimizer ms"]
+    return [
+        "",
+        "Host time by phase (`--host`, one more step with timers): median per LoRA layer call in us (calls in the "
+        "step); backward: of the node a layer call returns (flashdora's compose; PEFT LoRA's last op); norm miss: "
+        "part of the forward; optimizer: the step, hooks included, in ms. Timed while the GPU runs, so a call that "
+        "waits for it counts the wait.",
+        "",
+        record.table(columns, table),
+    ]
 
 
 def _phase_notes(result: dict) -> list[str]:
