@@ -7,9 +7,10 @@ time of a LoRA layer call by phase.
   into the forward and checkpointing's recomputation: a call while autograd runs a backward is a recomputation),
   the backward of the node each layer call returns (flashdora's compose; PEFT LoRA's last op, an add, says little),
   the norm cache's misses (``ops/norm_cache._update``, part of the forward) and the optimizer's ``step`` (the
-  per-step work, flashdora's step hook included). Host time of a call is ``perf_counter`` around it; the GPU is
-  busy meanwhile, so a call that waits for it (a sync, a full launch queue) counts the wait. The timers cost host
-  time themselves, alike in every mode.
+  per-step work, flashdora's step hook included). Each span but the norm miss starts with the GPU's queue drained
+  (``synchronize``, untimed): a host that runs ahead of the GPU otherwise waits inside a launch once the queue is
+  full, and that wait would count as host time. So a span is the host's own time (and any sync the call makes).
+  The timers cost host time themselves, alike in every mode.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def host_phases(model, fn, device) -> dict:
     microseconds per call (``optimizer``: per step)."""
     spans: dict[str, list[float]] = defaultdict(list)
     timing.synchronize(device)
-    with _timers(model, spans):
+    with _timers(model, spans, (lambda: timing.synchronize(device)) if timing.is_cuda(device) else (lambda: None)):
         fn()
     timing.synchronize(device)
     return {
@@ -62,7 +63,7 @@ def host_phases(model, fn, device) -> dict:
 
 
 @contextlib.contextmanager
-def _timers(model, spans):
+def _timers(model, spans, drain):
     from flashdora.ops import norm_cache
 
     restore = []
@@ -70,12 +71,13 @@ def _timers(model, spans):
     def timed_forward(forward):
         def call(self, x, *args, **kwargs):
             phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+            drain()
             t0 = time.perf_counter()
             out = forward(self, x, *args, **kwargs)
             spans[phase].append((time.perf_counter() - t0) * 1e6)
             node = getattr(out, "grad_fn", None)
             if node is not None and phase == "forward" or torch.is_grad_enabled() and phase == "recompute":
-                _time_backward(node, spans)
+                _time_backward(node, spans, drain)
             return out
 
         return call
@@ -96,7 +98,7 @@ def _timers(model, spans):
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     started: list[float] = []
-    pre = register_optimizer_step_pre_hook(lambda *a: started.append(time.perf_counter()))
+    pre = register_optimizer_step_pre_hook(lambda *a: drain() or started.append(time.perf_counter()))
     post = register_optimizer_step_post_hook(
         lambda *a: spans["optimizer"].append((time.perf_counter() - started.pop()) * 1e6) if started else None
     )
@@ -113,12 +115,12 @@ def _timers(model, spans):
                 setattr(cls, name, value)
 
 
-def _time_backward(node, spans) -> None:
+def _time_backward(node, spans, drain) -> None:
     """The host time of ``node``'s backward into ``spans["backward"]`` (a pre-hook starts it, a hook ends it)."""
     if node is None:
         return
     t: list[float] = []
-    node.register_prehook(lambda grads: t.append(time.perf_counter()) and None)
+    node.register_prehook(lambda grads: drain() or t.append(time.perf_counter()))
     node.register_hook(
         lambda grad_inputs, grad_outputs: spans["backward"].append((time.perf_counter() - t.pop()) * 1e6) if t else None
     )

@@ -138,8 +138,8 @@ def _host_table(recs: list[dict]) -> list[str]:
         "",
         "Host time by phase (`--host`, one more step with timers): median per LoRA layer call in us (calls in the "
         "step); backward: of the node a layer call returns (flashdora's compose; PEFT LoRA's last op); norm miss: "
-        "part of the forward; optimizer: the step, hooks included, in ms. Timed while the GPU runs, so a call that "
-        "waits for it counts the wait.",
+        "part of the forward; optimizer: the step, hooks included, in ms. Each span but the norm miss starts with "
+        "the GPU's queue drained, so that it is the host's own time.",
         "",
         record.table(columns, table),
     ]
