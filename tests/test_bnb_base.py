@@ -355,3 +355,29 @@ def test_cuda_int8_training_bit_for_bit(autocast, peft_class, threshold, monkeyp
         runs.append(out)
         assert flashdora.stats().get("base:8bit", 0) == (2 * len(_int8_bases(m)) if fast else 0)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("make", [qdora_model, int8_bf16_model], ids=["nf4", "int8"])
+def test_dispatch_decides_the_base_once_per_call_and_the_route_records_it(on_cpu, monkeypatch, make):
+    """Each layer call asks ``dispatch.base_plan`` once, before its base runs, and the route records what it decided:
+    ``bnb`` where it planned bitsandbytes' ops, ``layer`` (the layer's own call) where it did not."""
+    from flashdora import dispatch
+
+    model = make()
+    flashdora.enable(model)
+    model.eval()
+    for planned in (True, False):
+        calls = []
+        real = dispatch.base_plan
+
+        def base_plan(base, x, native, calls=calls, planned=planned):
+            calls.append(base)
+            return real(base, x, native) if planned else None
+
+        monkeypatch.setattr(dispatch, "base_plan", base_plan)
+        with torch.no_grad():
+            model(input_ids=make_ids(256))
+        layers = [m for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")]
+        assert len(calls) == len(layers) and {id(b) for b in calls} == {id(b) for b in layers}
+        routes = [m.__dict__["_flashdora_routes"]["default"] for m in model.modules() if hasattr(m, "base_layer")]
+        assert len(routes) == len(layers) and {r.base for r in routes} == {"bnb" if planned else "layer"}

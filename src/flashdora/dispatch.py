@@ -29,6 +29,7 @@ import torch
 from flashdora import backend, config
 from flashdora.native import bridge, build
 from flashdora.peft.support import hooked_adapter, is_bnb, params_reason, reason
+from flashdora.quant import base as bnb_base
 
 COMPOSE = (
     "peft", "meta", "traced", "eager", "triton", "native", "double-eager", "double-triton",
@@ -216,6 +217,13 @@ def compose_impl(
     if native is None:
         native = native_loaded(result)
     return "native" if native else "triton"
+
+
+def base_plan(base, x, native: bool) -> tuple | None:
+    """The base implementation of this call of a bitsandbytes layer, decided once, before it runs: bitsandbytes' ops
+    from flashdora (``quant.base.plan``; the 4-bit weight dequantized from C++ on the ``native`` route) or ``None``,
+    the layer's own call. The route records which ran (``bnb`` or ``layer``)."""
+    return bnb_base.plan(base, x, dequantizer(native))
 
 
 def dequantizer(native: bool):

@@ -5,7 +5,8 @@ classes the same forwards).
   ``lora.bnb`` classes, what a model loaded quantized gets): on a plain call of one active flashdora adapter, PEFT's
   function without PEFT's per-call dispatch (argument checks, properties, module-dict lookups, keyword plumbing: host
   time a model pays on every layer call); PEFT's own forward on every other call. A bitsandbytes base's result comes
-  from ``quant.base.result`` (the same values as the layer's own call, a fraction of its host time).
+  from ``quant.base.run`` as ``dispatch.base_plan`` decided (the same values as the layer's own call, a fraction of
+  its host time).
 - ``cast_input_dtype``: PEFT's cast of a layer's input to the adapters' dtype, skipped where it changes no value.
 
 The bitsandbytes classes are made on first use (module attributes, PEP 562), so that importing flashdora never
@@ -115,7 +116,7 @@ def lean_forward(self, x, *args, **kwargs):
     if not _bnb(base):
         return _adapt(self, active, x, base(x), seq, "module", native)
     try:
-        result, fresh = bnb_base.result(base, x, dispatch.dequantizer(native))
+        result, fresh = bnb_base.run(base, x, dispatch.base_plan(base, x, native))
         return _adapt(self, active, x, result, seq, "bnb" if fresh else "layer", native)
     finally:
         bnb_base.release()  # (the dense weight a 4-bit forward held for the miss)
@@ -161,7 +162,7 @@ def _lean_forward_bnb(self, x, *args, **kwargs):
     native = dispatch.native_for(self, x)
     seq = after_base()
     try:
-        result, fresh = bnb_base.result(mods["base_layer"], x, dispatch.dequantizer(native))
+        result, fresh = bnb_base.run(mods["base_layer"], x, dispatch.base_plan(mods["base_layer"], x, native))
         if not fresh and _CLONES[self._flashdora_kind]:
             result = result.clone()  # PEFT's defensive copy of bitsandbytes' 4-bit output
         base_kind = "bnb" if fresh else "layer"

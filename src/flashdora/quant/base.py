@@ -2,7 +2,7 @@
 
 bitsandbytes' layers reach their kernels through several Python layers each call (the module's checks, a ``matmul``
 function, an autograd Function, op dispatches), three times a layer and training step with checkpointing, on a host
-that paces an 8B QDoRA step. On a flashdora DoRA layer, ``result`` makes the same calls:
+that paces an 8B QDoRA step. On a flashdora DoRA layer, ``run`` makes the same calls (as ``plan`` decided):
 
 - ``Linear4bit``: past ``_gemm_4bit_custom_max_m`` rows (1536 on CUDA in bitsandbytes 0.50) its ``gemm_4bit`` op
   dequantizes the weight and calls ``F.linear``, and its backward dequantizes again for ``grad_x``. Here the weight
@@ -215,25 +215,39 @@ class _Linear8bit(torch.autograd.Function):
         return torch.matmul(grad.to(ctx.dtype), w).view(ctx.shape), None, None, None, None
 
 
-def result(base, x: torch.Tensor, fast=None) -> tuple[torch.Tensor, bool]:
-    """``(base(x), fresh)`` for a bitsandbytes layer ``base``: ``fresh`` when flashdora computed it (a new tensor),
-    else it is the layer's own call. ``fast``: the C++ 4-bit dequantization (``native.bridge``) where the call's route
-    is ``native`` (``dispatch.dequantizer``), else ``None``. The caller ``release``s once the layer's call is done."""
+def plan(base, x: torch.Tensor, fast=None) -> tuple | None:
+    """How this call of a bitsandbytes layer ``base`` makes its base result, decided once (``dispatch.base_plan``):
+    ``("4bit", ...)`` or ``("8bit", ...)`` (bitsandbytes' ops without its Python), ``None`` (the layer's own call).
+    ``fast``: the C++ 4-bit dequantization (``native.bridge``) on the ``native`` route, else ``None``."""
     dequant.release()  # (a call that did not end, e.g. checkpointing's early stop, may have left one)
     name = type(base).__name__
     if name == "Linear4bit":
-        plan = _plan4(base, x, fast)
-        if plan is not None:
-            return _result4(x, *plan), True
-    elif name == "Linear8bitLt":
-        plan = _plan8(base, x)
-        if plan is not None:
-            backend.count("base:8bit")
-            base.state.is_training = base.training  # (as the layer's forward sets it)
-            if torch.is_grad_enabled() and x.requires_grad:
-                return _Linear8bit.apply(x, *plan), True
-            return _int8_linear(x, *plan), True
-    return base(x), False
+        got = _plan4(base, x, fast)
+        return None if got is None else ("4bit", got)
+    if name == "Linear8bitLt":
+        got = _plan8(base, x)
+        return None if got is None else ("8bit", got)
+    return None
+
+
+def run(base, x: torch.Tensor, how: tuple | None) -> tuple[torch.Tensor, bool]:
+    """``(base(x), fresh)`` as ``plan`` decided: ``fresh`` when flashdora computed it (a new tensor), else it is the
+    layer's own call. The caller ``release``s once the layer's call is done."""
+    if how is None:
+        return base(x), False
+    kind, args = how
+    if kind == "4bit":
+        return _result4(x, *args), True
+    backend.count("base:8bit")
+    base.state.is_training = base.training  # (as the layer's forward sets it)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Linear8bit.apply(x, *args), True
+    return _int8_linear(x, *args), True
+
+
+def result(base, x: torch.Tensor, fast=None) -> tuple[torch.Tensor, bool]:
+    """``run(base, x, plan(base, x, fast))``."""
+    return run(base, x, plan(base, x, fast))
 
 
 def _result4(x, xc, packed, state, bias, fast):

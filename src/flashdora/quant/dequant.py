@@ -3,7 +3,7 @@
 ``dequantized`` is what a norm-cache miss on a bitsandbytes base reads: a 4-bit weight dequantized by bitsandbytes'
 own kernels (launched from C++ where the call's route is ``native``: the caller passes ``native.bridge`` as
 ``fast``; quant never imports the extension), an 8-bit one by one Triton kernel or a row chunk at a time. Where
-``quant.base.result`` computed the layer's base result itself, the 4-bit weight its forward dequantized is kept here
+``quant.base.run`` computed the layer's base result itself, the 4-bit weight its forward dequantized is kept here
 (``keep_dense``) until the layer's call ends (``release``), and the miss takes it (``kept_dense``) instead of
 dequantizing again.
 """
@@ -90,7 +90,7 @@ def keep_dense(packed, state, fast=None) -> torch.Tensor:
 
 
 def kept_dense(packed: torch.Tensor, state) -> torch.Tensor | None:
-    """The dense weight the last ``quant.base.result`` dequantized, if it is ``packed``'s under ``state`` at its
+    """The dense weight the last ``quant.base.run`` dequantized, if it is ``packed``'s under ``state`` at its
     version now."""
     got = _dense
     if got is None or got[2] is not state or got[0] != packed.data_ptr() or got[1] != packed._version:
