@@ -195,4 +195,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # (under torchrun: the Trainer's process group, closed before exit)
+    sys.exit(code)
