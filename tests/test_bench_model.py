@@ -2,6 +2,7 @@
 timing asserts)."""
 
 import statistics
+import sys
 
 import pytest
 import torch
@@ -310,17 +311,21 @@ def test_model_host_times_layer_calls_by_phase(tmp_path, interleave):
     layers = 2 * 7
     for mode in ("peft_lora", "flashdora"):
         train, infer = rows[(mode, "train")]["host"], rows[(mode, "inference")]["host"]
-        assert train["forward"]["calls"] == layers and train["forward"]["us"] > 0
+        assert train["forward"]["calls"] == layers and train["forward"]["us"] > 0 and train["forward"]["py_calls"] > 5
+        assert train["recompute"]["py_calls"] > 5 and train["optimizer"]["py_calls"] > 0
         assert 0 < train["recompute"]["calls"] <= layers  # (non-reentrant checkpointing may stop a recomputation)
         assert train["optimizer"]["calls"] == 1 and infer["optimizer"]["calls"] == 0
         assert infer["forward"]["calls"] == layers and infer["recompute"]["calls"] == 0
         assert rows[(mode, "train")]["kernel_ms"] is None and "host_gap_ms" not in rows[(mode, "train")]  # (CPU)
     fd = rows[("flashdora", "train")]["host"]
     assert fd["backward"]["calls"] == layers and fd["norm_miss"]["calls"] == layers  # weights change every step
+    assert 0 < fd["norm_miss"]["py_calls"] < fd["forward"]["py_calls"]  # (the miss runs inside the forward)
+    assert sys.getprofile() is None  # the counting step leaves no profiler behind
     assert rows[("flashdora", "inference")]["host"]["norm_miss"]["calls"] == 0  # (kept since the train phase)
     assert rows[("peft_lora", "train")]["host"]["norm_miss"]["calls"] == 0
     md = files[".md"].read_text()
     assert "| tiny | train | flashdora | " in md.split("Host time by phase")[1] and "GPU ms" not in md
+    assert f"({layers}; {fd['forward']['py_calls']:.0f} py)" in md
 
 
 def test_model_host_refuses_compile():

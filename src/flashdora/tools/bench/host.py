@@ -10,13 +10,15 @@ time of a LoRA layer call by phase.
   per-step work, flashdora's step hook included). Each span but the norm miss starts with the GPU's queue drained
   (``synchronize``, untimed): a host that runs ahead of the GPU otherwise waits inside a launch once the queue is
   full, and that wait would count as host time. So a span is the host's own time (and any sync the call makes).
-  The timers cost host time themselves, alike in every mode.
+  The timers cost host time themselves, alike in every mode. A second step counts the Python-level calls of each
+  span instead (``sys.setprofile`` on the span's thread: functions and builtins, torch's ops among them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -49,21 +51,54 @@ def layer_classes(model) -> list[type]:
 
 
 def host_phases(model, fn, device) -> dict:
-    """One call of ``fn`` (a step on ``model``) with the timers above: per phase, the calls and the median host
-    microseconds per call (``optimizer``: per step)."""
-    spans: dict[str, list[float]] = defaultdict(list)
-    timing.synchronize(device)
-    with _timers(model, spans, (lambda: timing.synchronize(device)) if timing.is_cuda(device) else (lambda: None)):
-        fn()
-    timing.synchronize(device)
-    return {
-        phase: {"calls": len(spans[phase]), "us": statistics.median(spans[phase]) if spans[phase] else None}
-        for phase in PHASES
-    }
+    """Two calls of ``fn`` (a step on ``model``) with the timers above: per phase, the calls in the step, the median
+    host microseconds per call (``optimizer``: per step), and from the second call the median Python-level calls
+    per call (``py_calls``: function and builtin calls, ``sys.setprofile``, which slows that step)."""
+    drain = (lambda: timing.synchronize(device)) if timing.is_cuda(device) else (lambda: None)
+    out: dict[str, dict] = {}
+    for key, clock in (("us", _Clock()), ("py_calls", _Clock(count=True))):
+        spans: dict[str, list[float]] = defaultdict(list)
+        timing.synchronize(device)
+        with _timers(model, spans, drain, clock):
+            fn()
+        timing.synchronize(device)
+        for phase in PHASES:
+            row = out.setdefault(phase, {"calls": len(spans[phase])})
+            row[key] = statistics.median(spans[phase]) if spans[phase] else None
+    return out
+
+
+class _Clock:
+    """A span's reading: host microseconds, or (``count``) the Python-level calls made in it on its thread."""
+
+    def __init__(self, count: bool = False):
+        self.count, self.n = count, 0
+        self.tick = self._tick  # (one bound method: ``sys.getprofile`` hands back this object)
+
+    def _tick(self, frame, event, arg):
+        if event == "call" or event == "c_call":
+            self.n += 1
+
+    def start(self):
+        if not self.count:
+            return time.perf_counter(), None
+        prev = sys.getprofile()
+        if prev is not self.tick:
+            sys.setprofile(self.tick)
+        return self.n, prev
+
+    def stop(self, started) -> float:
+        value, prev = started
+        if not self.count:
+            return (time.perf_counter() - value) * 1e6
+        n = self.n - value
+        if prev is not self.tick:
+            sys.setprofile(prev)
+        return n
 
 
 @contextlib.contextmanager
-def _timers(model, spans, drain):
+def _timers(model, spans, drain, clock):
     from flashdora.ops import norm_cache
 
     restore = []
@@ -72,12 +107,16 @@ def _timers(model, spans, drain):
         def call(self, x, *args, **kwargs):
             phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
             drain()
-            t0 = time.perf_counter()
-            out = forward(self, x, *args, **kwargs)
-            spans[phase].append((time.perf_counter() - t0) * 1e6)
+            t0 = clock.start()
+            try:
+                out = forward(self, x, *args, **kwargs)
+            except BaseException:  # (checkpointing stops a recomputation early by raising: no span)
+                clock.stop(t0)
+                raise
+            spans[phase].append(clock.stop(t0))
             node = getattr(out, "grad_fn", None)
             if node is not None and phase == "forward" or torch.is_grad_enabled() and phase == "recompute":
-                _time_backward(node, spans, drain)
+                _time_backward(node, spans, drain, clock)
             return out
 
         return call
@@ -88,19 +127,19 @@ def _timers(model, spans, drain):
     update = norm_cache._update
 
     def timed_update(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = clock.start()
         try:
             return update(*args, **kwargs)
         finally:
-            spans["norm_miss"].append((time.perf_counter() - t0) * 1e6)
+            spans["norm_miss"].append(clock.stop(t0))
 
     norm_cache._update = timed_update
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    started: list[float] = []
-    pre = register_optimizer_step_pre_hook(lambda *a: drain() or started.append(time.perf_counter()))
+    started: list = []
+    pre = register_optimizer_step_pre_hook(lambda *a: drain() or started.append(clock.start()))
     post = register_optimizer_step_post_hook(
-        lambda *a: spans["optimizer"].append((time.perf_counter() - started.pop()) * 1e6) if started else None
+        lambda *a: spans["optimizer"].append(clock.stop(started.pop())) if started else None
     )
     try:
         yield
@@ -115,15 +154,13 @@ def _timers(model, spans, drain):
                 setattr(cls, name, value)
 
 
-def _time_backward(node, spans, drain) -> None:
-    """The host time of ``node``'s backward into ``spans["backward"]`` (a pre-hook starts it, a hook ends it)."""
+def _time_backward(node, spans, drain, clock) -> None:
+    """``node``'s backward into ``spans["backward"]`` (a pre-hook starts the span, a hook ends it)."""
     if node is None:
         return
-    t: list[float] = []
-    node.register_prehook(lambda grads: drain() or t.append(time.perf_counter()))
-    node.register_hook(
-        lambda grad_inputs, grad_outputs: spans["backward"].append((time.perf_counter() - t.pop()) * 1e6) if t else None
-    )
+    t: list = []
+    node.register_prehook(lambda grads: drain() or t.append(clock.start()))
+    node.register_hook(lambda grad_inputs, grad_outputs: spans["backward"].append(clock.stop(t.pop())) if t else None)
 
 
 def view(model, fn, phase: str, args, device, ms: float | None = None) -> dict:

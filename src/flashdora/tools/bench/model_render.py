@@ -126,7 +126,10 @@ def _host_table(recs: list[dict]) -> list[str]:
         return []
 
     def cell(h, unit=1.0):
-        return "-" if not h or h["us"] is None else f"{h['us'] / unit:.1f} ({h['calls']})"
+        if not h or h["us"] is None:
+            return "-"
+        py = h.get("py_calls")
+        return f"{h['us'] / unit:.1f} ({h['calls']}" + ("" if py is None else f"; {py:.0f} py") + ")"
 
     table = [
         [r["preset"], r["phase"], r["mode"], *(cell(r["host"].get(p)) for p in HOST_PHASES[:-1]),
@@ -137,9 +140,10 @@ def _host_table(recs: list[dict]) -> list[str]:
     return [
         "",
         "Host time by phase (`--host`, one more step with timers): median per LoRA layer call in us (calls in the "
-        "step); backward: of the node a layer call returns (flashdora's compose; PEFT LoRA's last op); norm miss: "
-        "part of the forward; optimizer: the step, hooks included, in ms. Each span but the norm miss starts with "
-        "the GPU's queue drained, so that it is the host's own time.",
+        "step; py: the median Python-level calls per call, functions and builtins, counted in a further step); "
+        "backward: of the node a layer call returns (flashdora's compose; PEFT LoRA's last op); norm miss: part of "
+        "the forward; optimizer: the step, hooks included, in ms. Each span but the norm miss starts with the GPU's "
+        "queue drained, so that it is the host's own time.",
         "",
         record.table(columns, table),
     ]
