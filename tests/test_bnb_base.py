@@ -163,7 +163,7 @@ def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeyp
 
 
 def test_a_module_only_named_like_bitsandbytes_runs_its_own_call(on_cpu):
-    """``result`` on a module whose class is only named ``Linear4bit`` / ``Linear8bitLt``: its own call, no error."""
+    """``plan`` and ``run`` on a module whose class is only named ``Linear4bit`` / ``Linear8bitLt``: its own call, no error."""
 
     class Linear4bit(torch.nn.Linear):
         pass
@@ -173,7 +173,7 @@ def test_a_module_only_named_like_bitsandbytes_runs_its_own_call(on_cpu):
 
     x = torch.randn(3, 8)
     for layer in (Linear4bit(8, 4), Linear8bitLt(8, 4)):
-        out, fresh = bnb_base.result(layer, x)
+        out, fresh = bnb_base.run(layer, x, bnb_base.plan(layer, x))
         assert not fresh and torch.equal(out, layer(x))
 
 
@@ -187,7 +187,8 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
     model.eval()
     base = _bases(model)[0]
     with torch.no_grad():
-        _, fresh = bnb_base.result(base, torch.randn(2, 8, base.in_features))
+        x = torch.randn(2, 8, base.in_features)
+        _, fresh = bnb_base.run(base, x, bnb_base.plan(base, x))
         packed, state = base.weight.detach(), base.weight.quant_state
         assert fresh and torch.equal(bnb_dequant.kept_dense(packed, state), bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)

@@ -29,13 +29,13 @@ from flashdora.peft import support
 from flashdora.quant import dequant
 from flashdora.quant.dequant import release  # noqa: F401 (peft.layers calls quant.base.release)
 
-# Devices where ``result`` takes the path (CUDA, where the 4-bit dequantization runs from C++); tests add "cpu",
+# Devices where ``plan`` takes the path (CUDA, where the 4-bit dequantization runs from C++); tests add "cpu",
 # where bitsandbytes' default ``gemm_4bit`` dequantizes at every size.
 DEVICES = ("cuda",)
 
 
 def _tested() -> bool:
-    """Whether this bitsandbytes is a version ``result`` was tested with (``dequant.bnb_tested``; not ROCm)."""
+    """Whether this bitsandbytes is a version ``run`` was tested with (``dequant.bnb_tested``; not ROCm)."""
     if "tested" not in _CACHE:
         _CACHE["tested"] = dequant.bnb_tested() and not torch.version.hip
     return _CACHE["tested"]
@@ -88,7 +88,7 @@ def _free(base, x) -> bool:
 
 
 def _plan4(base, x, fast):
-    """``(x in the compute dtype, packed alias, quant_state, bias)`` where ``result`` takes the 4-bit path."""
+    """``(x in the compute dtype, packed alias, quant_state, bias, fast)`` where ``run`` takes the 4-bit path."""
     if not _tested() or not _free(base, x):
         return None
     _first_call_4bit(base, x)
@@ -156,7 +156,7 @@ class _Linear4bit(torch.autograd.Function):
 
 
 def _plan8(base, x):
-    """``(CB, SCB, bias, state)`` where ``result`` takes the 8-bit path, else ``None``."""
+    """``(CB, SCB, bias, state)`` where ``run`` takes the 8-bit path, else ``None``."""
     if not _tested() or not _free(base, x) or x.dim() not in (2, 3):
         return None
     _first_call_8bit(base)
@@ -243,11 +243,6 @@ def run(base, x: torch.Tensor, how: tuple | None) -> tuple[torch.Tensor, bool]:
     if torch.is_grad_enabled() and x.requires_grad:
         return _Linear8bit.apply(x, *args), True
     return _int8_linear(x, *args), True
-
-
-def result(base, x: torch.Tensor, fast=None) -> tuple[torch.Tensor, bool]:
-    """``run(base, x, plan(base, x, fast))``."""
-    return run(base, x, plan(base, x, fast))
 
 
 def _result4(x, xc, packed, state, bias, fast):

@@ -122,7 +122,7 @@ def _timers(model, spans, drain, clock):
         return call
 
     for cls in layer_classes(model):
-        restore.append((cls, "forward", cls.__dict__.get("forward")))
+        restore.append((cls, cls.__dict__.get("forward")))
         cls.forward = timed_forward(cls.forward)
     update = norm_cache._update
 
@@ -147,11 +147,11 @@ def _timers(model, spans, drain, clock):
         pre.remove()
         post.remove()
         norm_cache._update = update
-        for cls, name, value in restore:
-            if value is None:
-                delattr(cls, name)
+        for cls, forward in restore:
+            if forward is None:
+                del cls.forward
             else:
-                setattr(cls, name, value)
+                cls.forward = forward
 
 
 def _time_backward(node, spans, drain, clock) -> None:
@@ -163,14 +163,12 @@ def _time_backward(node, spans, drain, clock) -> None:
     node.register_hook(lambda grad_inputs, grad_outputs: spans["backward"].append(clock.stop(t.pop())) if t else None)
 
 
-def view(model, fn, phase: str, args, device, ms: float | None = None) -> dict:
-    """A row's ``kernel_ms`` (per generated token in ``decode``) and, with ``ms`` (the row's median), its
-    ``host_gap_ms``; with ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
+def view(model, fn, phase: str, args, device) -> dict:
+    """A row's ``kernel_ms`` (per generated token in ``decode``; ``gap`` makes its ``host_gap_ms`` once its ``ms``
+    is known) and, with ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
     per = args.new_tokens if phase == "decode" else 1
     k = kernel_ms(fn, device)
     out = {"kernel_ms": None if k is None else k / per}
-    if ms is not None and k is not None:
-        out["host_gap_ms"] = ms - k / per
     if getattr(args, "host", False) and phase != "decode":
         out["host"] = host_phases(model, fn, device)
     return out

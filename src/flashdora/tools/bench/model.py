@@ -49,7 +49,8 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
                 tokens_per_s=row["tokens"] * (args.grad_accum if phase in ("grad", "train") else 1) / (m.ms * 1e-3),
                 first_ms=first[0] / per,
             )
-            row.update(host.view(target, step, phase, args, device, row["ms"]))
+            row.update(host.view(target, step, phase, args, device))
+            row.update(host.gap(row))
         except Exception as e:  # noqa: BLE001 - recorded in the row and printed; the other modes still run
             timing.free_memory(device)
             error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
