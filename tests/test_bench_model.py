@@ -273,6 +273,51 @@ def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):
         main(["bench", *argv, "--interleave", "--rounds", "2", "--device", "cpu", "--out", str(tmp_path)])
 
 
+def test_model_dynamic_draws_a_token_count_per_step_for_every_mode(tmp_path, monkeypatch):
+    """``--dynamic``: each timed step runs every mode at the fixed length, then at one drawn count (the same for every
+    mode) after an untimed pass with the adapters off; the Markdown pairs both."""
+    from flashdora.tools.bench import model_interleave
+
+    seen, passes = [], []
+    make, base = model_phases.step_fn, model_interleave.base_pass
+
+    def logged(target, feed, phase, args):
+        fn = make(target, feed, phase, args)
+
+        def call():
+            seen.append(feed.ids.shape[1])
+            fn()
+
+        return call
+
+    def counted(model, feed, args, adapters):
+        passes.append((feed.ids.shape[1], adapters, model.active_adapters))
+        base(model, feed, args, adapters)
+        assert all(p.grad is None for n, p in model.named_parameters() if "lora_" in n)  # (nothing kept)
+
+    monkeypatch.setattr(model_interleave, "step_fn", logged)
+    monkeypatch.setattr(model_interleave, "base_pass", counted)
+    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "16", "--phases", "train"]
+    result, files = run_bench(tmp_path, *argv, "--modes", "peft_lora", "flashdora", "--reps", "3", "--warmup", "1",
+                              "--interleave", "--dynamic", "5-12")  # fmt: skip
+    records = {r["mode"]: r for r in result["records"]}
+    seqs = records["flashdora"]["seqs"]
+    assert records["peft_lora"]["seqs"] == seqs and len(seqs) == 3 and all(5 <= s <= 12 for s in seqs)
+    assert [p[0] for p in passes] == seqs and all(p[1] for p in passes)
+    timed = seen[4:]  # (after the first and the warm-up steps at 16)
+    assert timed == [16, 16, seqs[0], seqs[0], 16, 16, seqs[1], seqs[1], 16, 16, seqs[2], seqs[2]]
+    for r in records.values():
+        assert "error" not in r, r
+        assert len(r["times_ms"]) == len(r["fixed_times_ms"]) == 3 and r["tokens"] == round(statistics.mean(seqs))
+    assert records["flashdora"]["paths"]
+    lora, flash = records["peft_lora"], records["flashdora"]
+    fixed = statistics.median(a / b for a, b in zip(flash["fixed_times_ms"], lora["fixed_times_ms"]))
+    text = files[".md"].read_text()
+    assert f"drew the tokens per sequence from 5..12 ({', '.join(map(str, seqs))};" in text
+    assert f"paired vs peft_lora at that fixed length: train flashdora {fixed:.2f}" in text
+    assert "dynamic" in result["protocol"]
+
+
 def test_model_interleave_out_of_memory_names_the_way_out(tmp_path, monkeypatch):
     """A model per mode that does not fit ends the run with a message naming the modes and the options to change,
     not a traceback."""

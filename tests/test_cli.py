@@ -81,6 +81,11 @@ BAD = [
     pytest.param(["bench", "model", "--rounds", "2", "--compile"], "--rounds > 1 with --compile", id="rounds-compile"),
     pytest.param(["bench", "model", "--phases", "decode", "--compile"], "decode without it", id="decode-compile"),
     pytest.param(["bench", "model", "--device", "gpu"], "--device gpu: expected cpu, cuda or cuda:N", id="device"),
+    pytest.param(["bench", "model", "--dynamic", "20-10"], "--dynamic: expected 1 <= LO <= HI", id="dynamic-order"),
+    pytest.param(["bench", "model", "--dynamic", "20"], "--dynamic: expected LO-HI such as", id="dynamic-form"),
+    pytest.param(["bench", "model", "--dynamic", "8-16"], "--dynamic .* needs --interleave", id="dynamic-alone"),
+    pytest.param(["bench", "model", "--dynamic", "8-16", "--interleave"], "--dynamic times the grad and train phases",
+                 id="dynamic-phases"),  # fmt: skip
 ]
 
 

@@ -166,6 +166,12 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")
         if args.rounds > 1 and args.compile:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
+        if args.dynamic is not None and not args.interleave:
+            error("--dynamic draws a token count per timed step for every mode at once: it needs --interleave")
+        if args.dynamic is not None and not set(args.phases) <= {"grad", "train"}:
+            error(f"--dynamic times the grad and train phases; got --phases {' '.join(args.phases)}")
+        if args.dynamic is not None and args.compile:
+            error("--dynamic with --compile would time recompilations at every new token count; run it without")
         if args.compile and getattr(args, "host", False):
             error("--host times the layers' Python forwards, which a compiled model does not run; run it without --compile")
         if args.compile and "decode" in args.phases:

@@ -61,6 +61,17 @@ def _common(p: argparse.ArgumentParser, results: bool) -> None:
         p.add_argument("--tag", default=None, help="suffix for the result file names, e.g. accum4")
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    """``"1536-2048"`` -> ``(1536, 2048)``: an inclusive range of positive integers."""
+    try:
+        lo, hi = (int(v) for v in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI such as 1536-2048, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--size", choices=DEMO_SIZES, default=None, help="model size (default: small on CPU, medium on CUDA)"
@@ -282,6 +293,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "once, the start rotated), so that the host's drifts hit every mode alike; the Markdown adds each mode's "
         "paired ratio to PEFT LoRA. Every mode's model (and in train its optimizer state) is resident at once; "
         "not with --rounds",
+    )
+    p.add_argument(
+        "--dynamic",
+        type=parse_range,
+        metavar="LO-HI",
+        help="dynamic padding, with --interleave (grad and train): every timed step draws the tokens per sequence from "
+        "LO..HI, the same for every mode of the step, and runs an untimed forward and backward of the model with its "
+        "adapters off at that count first, so that what a new count costs the base model is paid outside the timed "
+        "calls and what it costs each mode's adapters inside them",
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (default: %(default)s)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per timed grad or train step")

@@ -152,6 +152,13 @@ def run(args) -> int:
         "optimizer": "excluded" if "train" not in args.phases else "grad: excluded; train: " + TRAIN_OPTIMIZER,
         "first_ms": "wall time of each row's first step (queue drained around it), the first round's with rounds",
     }
+    if args.dynamic is not None:
+        protocol["dynamic"] = (
+            f"tokens per sequence drawn from {args.dynamic[0]}..{args.dynamic[1]} at each timed step (seed + 3), the "
+            "same for every mode, after an untimed forward and backward with the adapters off at that count; each "
+            f"timed step also runs every mode at --seq {args.seq} (fixed_times_ms); every call timed by wall clock "
+            "with the queue drained around it"
+        )
     if "decode" in args.phases:
         protocol["decode"] = (
             f"generate: greedy, batch 1, {args.prompt}-token prompt, exactly {args.new_tokens} new tokens, KV cache "

@@ -18,6 +18,7 @@ before the call (every model resident); ``kernel_ms`` and ``host`` as ``host.vie
 from __future__ import annotations
 
 import copy
+import random
 import statistics
 import sys
 import time
@@ -27,7 +28,7 @@ import torch
 import flashdora
 from flashdora.tools.bench import host, timing
 from flashdora.tools.bench.model_build import prepare, wrap
-from flashdora.tools.bench.model_phases import native_off, phase_row, step_fn
+from flashdora.tools.bench.model_phases import Feed, base_pass, native_off, phase_row, step_fn
 
 ORDER = (
     "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "
@@ -57,9 +58,10 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
     rows = {mode: phase_row(model, base_row, mode, phase, args) for mode, model in models.items()}
     per = args.new_tokens if phase == "decode" else 1  # decode: times per generated token
     fns = {}
+    feed = Feed(ids)
     try:
         for mode, model in models.items():  # each mode's first (cold) step alone, and the paths it took
-            fn = step_fn(model, ids, phase, args)
+            fn = step_fn(model, feed, phase, args)
             if mode == "flashdora_python":
                 fn = _without_native(fn)
             fns[mode] = fn
@@ -75,9 +77,15 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
                 mode = order[(k + i) % len(order)]
                 warmup_s[mode] += _wall_ms(fns[mode], device) / 1e3
         peaks: dict[str, float] = {}
-        times = timing.measure_interleaved(
-            fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None
-        )
+        if args.dynamic is not None:
+            times, fixed, seqs = measure_dynamic(models, fns, feed, args, device)
+            for mode, row in rows.items():
+                tokens = round(args.batch * statistics.mean(seqs))
+                row.update(dynamic=list(args.dynamic), seqs=seqs, tokens=tokens, fixed_times_ms=fixed[mode])
+        else:
+            times = timing.measure_interleaved(
+                fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None
+            )
         for mode, fn in fns.items():  # (untimed: the GPU's time of a step, and with --host the host's by phase)
             rows[mode].update(host.view(models[mode], fn, phase, args, device))
     except Exception as e:  # noqa: BLE001 - recorded in every row of the phase; the other phases still run
@@ -99,6 +107,31 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
         )
         row.update(host.gap(row))
     return [rows[mode] for mode in models]
+
+
+def measure_dynamic(models: dict, fns: dict, feed: Feed, args, device) -> tuple[dict, dict, list[int]]:
+    """``--dynamic``: ``args.reps`` timed steps. Each runs every mode at the fixed ``--seq``, then draws a token
+    count from ``args.dynamic`` (seeded, the same for every mode), runs an untimed ``base_pass`` at it and every mode
+    at it; the modes in turn, the start rotated as in ``timing.measure_interleaved``, each call's wall time with the
+    queue drained around it. The dynamic times, the fixed-length times (per mode) and the counts drawn."""
+    lo, hi = args.dynamic
+    draw, gen = random.Random(args.seed + 3), torch.Generator().manual_seed(args.seed + 3)
+    mode, model = next(((m, x) for m, x in models.items() if m != "base"), next(iter(models.items())))
+    fixed_ids, vocab, names = feed.ids, model.config.vocab_size, list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    fixed: dict[str, list[float]] = {name: [] for name in names}
+    seqs = []
+    for k in range(args.reps):
+        order = [names[(k + i) % len(names)] for i in range(len(names))]
+        feed.ids = fixed_ids
+        for name in order:
+            fixed[name].append(_wall_ms(fns[name], device))
+        seqs.append(draw.randint(lo, hi))
+        feed.ids = torch.randint(0, vocab, (args.batch, seqs[-1]), generator=gen).to(device)
+        base_pass(model, feed, args, adapters=mode != "base")
+        for name in order:
+            times[name].append(_wall_ms(fns[name], device))
+    return times, fixed, seqs
 
 
 def run_interleaved(weights, ids, args, device, base_row, bar, task, label, build_s) -> list[dict]:

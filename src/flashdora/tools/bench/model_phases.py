@@ -52,14 +52,26 @@ def decode_prompt(model, args, device) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=gen).to(device)
 
 
+class Feed:
+    """The ``[batch, seq]`` token ids a step function reads at each call (``--dynamic`` sets new ones per step)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+
+def _amp(device_type: str, args):
+    return torch.autocast(device_type, dtype=torch.bfloat16) if args.dtype == "autocast" else contextlib.nullcontext()
+
+
 def step_fn(model, ids, phase: str, args):
-    """One timed step of ``phase`` on ``model`` (``ids``: ``[batch, seq]`` tokens; ``decode`` makes its own prompt)."""
+    """One timed step of ``phase`` on ``model`` (``ids``: ``[batch, seq]`` tokens, or a ``Feed`` read at each call;
+    ``decode`` makes its own prompt)."""
+    feed = ids if isinstance(ids, Feed) else Feed(ids)
+    ids = feed.ids
     device_type = ids.device.type
 
     def amp():
-        return (
-            torch.autocast(device_type, dtype=torch.bfloat16) if args.dtype == "autocast" else contextlib.nullcontext()
-        )
+        return _amp(device_type, args)
 
     if phase == "decode":
         return _decode_step(model, decode_prompt(model, args, ids.device), args, amp)
@@ -69,7 +81,7 @@ def step_fn(model, ids, phase: str, args):
 
         def inference():
             with torch.no_grad(), amp():
-                call(input_ids=ids)
+                call(input_ids=feed.ids)
 
         return inference
     model.train()
@@ -78,7 +90,7 @@ def step_fn(model, ids, phase: str, args):
     def passes():
         for _ in range(args.grad_accum):
             with amp():
-                loss = call(input_ids=ids, labels=ids).loss / args.grad_accum
+                loss = call(input_ids=feed.ids, labels=feed.ids).loss / args.grad_accum
             loss.backward()
 
     if phase == "train":
@@ -93,6 +105,15 @@ def step_fn(model, ids, phase: str, args):
             p.grad = None
 
     return grad
+
+
+def base_pass(model, feed: Feed, args, adapters: bool) -> None:
+    """One forward and backward of ``model`` on ``feed``'s ids with its adapters off (``adapters``: a PEFT model),
+    nothing kept: ``--dynamic``'s untimed call at a new token count (only the input embeddings need a gradient)."""
+    with model.disable_adapter() if adapters else contextlib.nullcontext():  # (the recomputation too: backward inside)
+        with _amp(feed.ids.device.type, args):
+            loss = model(input_ids=feed.ids, labels=feed.ids).loss
+        loss.backward()
 
 
 def _train_step(passes, params, device):

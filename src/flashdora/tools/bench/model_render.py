@@ -26,9 +26,11 @@ def render_markdown(result: dict) -> str:
         return None if r["ms"] is None or not other else r["ms"] / other
 
     times = {(r["preset"], r["phase"], r["mode"]): r.get("times_ms") for r in recs}
+    fixed_times = {(r["preset"], r["phase"], r["mode"]): r.get("fixed_times_ms") for r in recs}  # (--dynamic)
 
-    def paired(r):
-        this, lora = r.get("times_ms"), times.get((r["preset"], r["phase"], "peft_lora"))
+    def paired(r, fixed=False):
+        this = r.get("times_ms")
+        lora = (fixed_times if fixed else times).get((r["preset"], r["phase"], "peft_lora"))
         if not this or not lora or r["mode"] == "peft_lora" or r["ms"] is None:
             return None
         return record.paired_ratio(this, lora)
@@ -101,6 +103,7 @@ def render_markdown(result: dict) -> str:
                     else ""
                 ),
                 *_phase_notes(result),
+                *_dynamic_note(recs, paired),
                 *(
                     [
                         "- " + result["protocol"]["order"] + "; paired vs peft_lora: the median over "
@@ -146,6 +149,25 @@ def _host_table(recs: list[dict]) -> list[str]:
         "queue drained, so that it is the host's own time.",
         "",
         record.table(columns, table),
+    ]
+
+
+def _dynamic_note(recs: list[dict], paired) -> list[str]:
+    """``--dynamic``'s line: the counts drawn and, per mode, the paired ratio at the fixed length of the same run."""
+    dyn = [r for r in recs if r.get("dynamic")]
+    if not dyn:
+        return []
+    lo, hi = dyn[0]["dynamic"]
+    fixed = [
+        f"{r['phase']} {r['mode']} {record.fmt(paired({**r, 'times_ms': r['fixed_times_ms']}, fixed=True))}"
+        for r in dyn if r["mode"] != "peft_lora"
+    ]  # fmt: skip
+    return [
+        f"- dynamic: each timed step drew the tokens per sequence from {lo}..{hi} ({', '.join(map(str, dyn[0]['seqs']))}; "
+        "tokens: their mean times the batch), the same for every mode, after an untimed forward and backward with the "
+        f"adapters off at that count; each step also ran every mode at {dyn[0]['seq']} tokens per sequence, with the "
+        "same timer (wall, queue drained around each call): paired vs peft_lora at that fixed length: "
+        + "; ".join(fixed)
     ]
 
 
