@@ -2,9 +2,9 @@
 the work.
 
 The parsers are assembled here from plain constants and the per-command ``add_*_arguments`` of
-``flashdora.tools.cli_args`` (re-exported here), so ``--help`` and a bad option cost no torch import (the modules
-behind the commands import torch, transformers and peft). ``main`` checks the options (``check``) before it imports the
-command's module and calls its ``run(args)``.
+``flashdora.tools.cli_args`` and ``flashdora.tools.cli_bench_args`` (re-exported here), so ``--help`` and a bad option
+cost no torch import (the modules behind the commands import torch, transformers and peft). ``main`` checks the
+options (``check``) before it imports the command's module and calls its ``run(args)``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 from flashdora.tools import cli_defaults
 from flashdora.tools.cli_args import (  # noqa: F401 - the options live in cli_args; re-exported for callers
-    _ADD,
     DEMO_SIZES,
     FSDP_MODES,
     LAYER_DTYPES,
@@ -35,13 +34,28 @@ from flashdora.tools.cli_args import (  # noqa: F401 - the options live in cli_a
     SERVE_MODES,
     add_demo_arguments,
     add_dropout_study_arguments,
+    add_parity_arguments,
+    parse_shape,
+)
+from flashdora.tools.cli_bench_args import (  # noqa: F401 - re-exported for callers
     add_fsdp_arguments,
     add_layer_arguments,
     add_model_arguments,
-    add_parity_arguments,
     add_serve_arguments,
-    parse_shape,
+    parse_range,
 )
+
+# command -> its options
+_ADD = {
+    "build": lambda p: None,  # (no options)
+    "demo": add_demo_arguments,
+    "parity": add_parity_arguments,
+    "dropout-study": add_dropout_study_arguments,
+    "bench layer": add_layer_arguments,
+    "bench model": add_model_arguments,
+    "bench fsdp": add_fsdp_arguments,
+    "bench serve": add_serve_arguments,
+}
 
 # command -> module with run(args) -> int, and its one-line help
 _COMMANDS = {
@@ -166,14 +180,18 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")
         if args.rounds > 1 and args.compile:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
-        if args.dynamic is not None and not args.interleave:
-            error("--dynamic draws a token count per timed step for every mode at once: it needs --interleave")
-        if args.dynamic is not None and not set(args.phases) <= {"grad", "train"}:
-            error(f"--dynamic times the grad and train phases; got --phases {' '.join(args.phases)}")
-        if args.dynamic is not None and args.compile:
-            error("--dynamic with --compile would time recompilations at every new token count; run it without")
+        if args.dynamic is not None:
+            if not args.interleave:
+                error("--dynamic draws a token count per timed step for every mode at once: it needs --interleave")
+            if not set(args.phases) <= {"grad", "train"}:
+                error(f"--dynamic times the grad and train phases; got --phases {' '.join(args.phases)}")
+            if args.compile:
+                error("--dynamic with --compile would time recompilations at every new token count; run it without")
         if args.compile and getattr(args, "host", False):
-            error("--host times the layers' Python forwards, which a compiled model does not run; run it without --compile")
+            error(
+                "--host times the layers' Python forwards, which a compiled model does not run; "
+                "run it without --compile"
+            )
         if args.compile and "decode" in args.phases:
             error("--compile does not reach generate's forward passes; run decode without it")
         if args.quant != "none" and importlib.util.find_spec("bitsandbytes") is None:
