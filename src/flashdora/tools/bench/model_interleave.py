@@ -79,8 +79,8 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
         peaks: dict[str, float] = {}
         if args.dynamic is not None:
             times, fixed, seqs = measure_dynamic(models, fns, feed, args, device)
+            tokens = round(args.batch * statistics.mean(seqs))
             for mode, row in rows.items():
-                tokens = round(args.batch * statistics.mean(seqs))
                 row.update(dynamic=list(args.dynamic), seqs=seqs, tokens=tokens, fixed_times_ms=fixed[mode])
         else:
             times = timing.measure_interleaved(

@@ -25,12 +25,10 @@ def render_markdown(result: dict) -> str:
         other = ms.get((r["preset"], r["phase"], mode))
         return None if r["ms"] is None or not other else r["ms"] / other
 
-    times = {(r["preset"], r["phase"], r["mode"]): r.get("times_ms") for r in recs}
-    fixed_times = {(r["preset"], r["phase"], r["mode"]): r.get("fixed_times_ms") for r in recs}  # (--dynamic)
+    by_mode = {(r["preset"], r["phase"], r["mode"]): r for r in recs}
 
-    def paired(r, fixed=False):
-        this = r.get("times_ms")
-        lora = (fixed_times if fixed else times).get((r["preset"], r["phase"], "peft_lora"))
+    def paired(r, field="times_ms"):  # (--dynamic: "fixed_times_ms" too)
+        this, lora = r.get(field), by_mode.get((r["preset"], r["phase"], "peft_lora"), {}).get(field)
         if not this or not lora or r["mode"] == "peft_lora" or r["ms"] is None:
             return None
         return record.paired_ratio(this, lora)
@@ -159,11 +157,11 @@ def _dynamic_note(recs: list[dict], paired) -> list[str]:
         return []
     lo, hi = dyn[0]["dynamic"]
     fixed = [
-        f"{r['phase']} {r['mode']} {record.fmt(paired({**r, 'times_ms': r['fixed_times_ms']}, fixed=True))}"
-        for r in dyn if r["mode"] != "peft_lora"
-    ]  # fmt: skip
+        f"{r['phase']} {r['mode']} {record.fmt(paired(r, 'fixed_times_ms'))}" for r in dyn if r["mode"] != "peft_lora"
+    ]
+    seqs = ", ".join(map(str, dyn[0]["seqs"]))
     return [
-        f"- dynamic: each timed step drew the tokens per sequence from {lo}..{hi} ({', '.join(map(str, dyn[0]['seqs']))}; "
+        f"- dynamic: each timed step drew the tokens per sequence from {lo}..{hi} ({seqs}; "
         "tokens: their mean times the batch), the same for every mode, after an untimed forward and backward with the "
         f"adapters off at that count; each step also ran every mode at {dyn[0]['seq']} tokens per sequence, with the "
         "same timer (wall, queue drained around each call): paired vs peft_lora at that fixed length: "
