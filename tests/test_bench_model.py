@@ -19,7 +19,7 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_adapter")]  # (only when asked for)
+    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")]
     assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
@@ -221,6 +221,21 @@ def test_native_off_restores_the_setting(monkeypatch):
         assert flashdora.config.native is before
         with model_phases.native_off(False):
             assert flashdora.config.native is before
+
+
+def test_split_mode_turns_the_layer_call_off_and_restores_it():
+    """``flashdora_split``'s row runs with the C++ layer call off (``peft.variant.FUSE``), restored after, also when
+    its step raises; other modes leave it on."""
+    from flashdora.peft import variant
+
+    assert variant.FUSE
+    with model_phases.mode_switch("flashdora_split"):
+        assert not variant.FUSE
+    with pytest.raises(RuntimeError), model_phases.mode_switch("flashdora_split"):
+        raise RuntimeError("a failing step")
+    with model_phases.mode_switch("flashdora"):
+        assert variant.FUSE and flashdora.config.native
+    assert variant.FUSE
 
 
 def test_model_interleave_times_each_mode_step_by_step(tmp_path, monkeypatch):

@@ -65,11 +65,11 @@ class _T:
 
 
 def reachable(monkeypatch) -> set[tuple[str, str, str]]:
-    """Every ``(compose, norm, base)`` that ``layer_route``, ``mixed_route``, ``linear_reference_route`` and
-    ``linear_route`` give, over every combination of the predicates they read: meta tensors, a fallback reason,
-    compiling, the base (``quant.base`` takes no shortcut on meta tensors or under compile), CUDA, Triton's
-    availability, a float64 input, float64 adapters, ``double_backward``, grad mode, the bias (none, frozen,
-    trained), dropout's exact form, the C++ extension, and the mixed path's own."""
+    """Every ``(compose, norm, base)`` that ``layer_route``, ``fused_route``, ``mixed_route``,
+    ``linear_reference_route`` and ``linear_route`` give, over every combination of the predicates they read: meta
+    tensors, a fallback reason, compiling, the base (``quant.base`` takes no shortcut on meta tensors or under
+    compile), CUDA, Triton's availability, a float64 input, float64 adapters, ``double_backward``, grad mode, the bias
+    (none, frozen, trained), dropout's exact form, the C++ extension, and the mixed path's own."""
     from flashdora import backend, config
 
     state = {}
@@ -108,6 +108,11 @@ def reachable(monkeypatch) -> set[tuple[str, str, str]]:
             seen.add(route[:3])
             if base != "bnb":
                 seen.add(dispatch.mixed_route(torch.nn.Module(), ["a"], x, base, why)[:3])
+            if base == "module" and native and cuda and not lx:  # (peft.layers asks only where native_for said yes)
+                module = torch.nn.Module()
+                route = dispatch.fused_route(module, "a", None, weight, adapter, None, adapter, adapter, x, b)
+                if route is not None:
+                    seen.add(route[:3])
             if base == "module":
                 route = dispatch.linear_reference_route(x, weight)
                 if route is None and not meta:

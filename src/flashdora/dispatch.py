@@ -17,7 +17,8 @@ Fields:
 - ``norm``: what a norm-cache miss runs: ``eager``, ``triton``, ``native`` (C++ replay of the Triton launches once
   planned), ``-`` (not flashdora's).
 - ``base``: how the base layer's result was made: ``module`` (its own call: ``nn.Linear``, ``Conv1D``), ``layer`` (a
-  bitsandbytes layer's own call), ``bnb`` (``quant.base``: bitsandbytes' ops without its Python).
+  bitsandbytes layer's own call), ``bnb`` (``quant.base``: bitsandbytes' ops without its Python), ``native`` (a plain
+  ``nn.Linear``'s matmul inside the C++ layer call, with the LoRA A matmul and the compose: ``fused_route``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ COMPOSE = (
     "mixed-eager", "mixed-triton", "mixed-traced",
 )  # fmt: skip
 NORM = ("-", "eager", "triton", "native")
-BASE = ("module", "layer", "bnb")
+BASE = ("module", "layer", "bnb", "native")
 
 
 class Route(NamedTuple):
@@ -66,6 +67,7 @@ class RouteRow(NamedTuple):
 
 
 _ALL_BASES, _PLAIN_BASES = ("module", "layer", "bnb"), ("module", "layer")
+MEASURED_LAYER = "not yet"
 # The route table: docs/design.md's "Routes" is ``route_table()`` (tests/test_routes.py checks both, and that the
 # routes the functions below can produce are exactly these).
 ROUTES = (
@@ -77,6 +79,16 @@ ROUTES = (
         "host time per layer call",
         "8B training step 0.80x the `triton` route's at r = 16, fixed length, and 0.84x with a new token count every "
         "step (one H200; docs/benchmarks.md, \"The C++ extension: whole-model A/B\")",
+    ),
+    RouteRow(
+        ("native",), ("native",), ("native",),
+        "as the row above, on a plain `nn.Linear` base where nothing a user could see is skipped by not calling "
+        "it: no hook on it or process-wide, no torch function mode, its weight and bias frozen, no dropout in "
+        "training, `x` and the weight already in the matmul dtype (`peft.support.plain_base`); a call the C++ side "
+        "declines runs `native/native/module`",
+        "host time per layer call: the base matmul, the LoRA A matmul and the compose in one C++ call, the whole "
+        "backward in one autograd node (`native/csrc/layer.cpp`)",
+        MEASURED_LAYER,
     ),
     RouteRow(
         ("triton",), ("triton",), _ALL_BASES,
@@ -284,6 +296,26 @@ def layer_route(
         exact = _F64 in (lora_A.dtype, lora_B.dtype, magnitude.dtype)
         compose = compose_impl(result, bias, has_lx_base, native, exact)
         route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose, native), base_kind)
+    routes = module.__dict__.get("_flashdora_routes")
+    if routes is None:
+        routes = module.__dict__["_flashdora_routes"] = {}
+    routes[adapter] = route
+    return route
+
+
+def fused_route(module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, bias) -> Route | None:
+    """The route of a plain call whose base layer ``peft.support.plain_base`` lets run inside the C++ layer call
+    (``native_for`` said yes): ``native/native/native`` where ``layer_route`` would give the call the ``native``
+    compose and norm, else ``None``, recording nothing (the caller runs the base layer, then ``layer_route``)."""
+    if torch.compiler.is_compiling() or x.is_meta or weight.is_meta:
+        return None
+    if fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, module, adapter, x, x) is not None:
+        return None
+    if _F64 in (weight.dtype, lora_A.dtype, lora_B.dtype, magnitude.dtype):
+        return None
+    if compose_impl(x, bias, False, True) != "native":
+        return None
+    route = _route("native", "native", "native")
     routes = module.__dict__.get("_flashdora_routes")
     if routes is None:
         routes = module.__dict__["_flashdora_routes"] = {}

@@ -321,6 +321,6 @@ def test_the_cpp_constants_match_the_python_ones():
         expr = re.search(rf"constexpr int64_t {name} = ([^;]+);", (CSRC / file).read_text()).group(1)
         return eval(expr, {})  # (integer arithmetic: "8 * (1 << 20)")
 
-    assert cpp("kCastBFirst", "compose.cpp") == kc.CAST_B_FIRST
+    assert cpp("kCastBFirst", "compose.h") == kc.CAST_B_FIRST
     assert cpp("kChunkElements", "norm.cpp") == norm_gemm._CHUNK_ELEMENTS
     assert cpp("kScalesBlock", "norm.cpp") == scales.SCALES_BLOCK

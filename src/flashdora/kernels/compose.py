@@ -177,7 +177,7 @@ def _empty_rows(t: torch.Tensor) -> torch.Tensor:
 
 # Elements of lora_B from which the fused forward gets it cast to the matmul dtype first, in one pass, rather than in
 # the kernel's registers: past it the GPU time saved outweighs one more launch (docs/host-notes.md;
-# native/csrc/compose.cpp takes it at load: ``kCastBFirst``).
+# native/csrc/compose.h takes it at load: ``kCastBFirst``).
 CAST_B_FIRST = 8 * 2**20
 
 

@@ -1,6 +1,6 @@
-"""The layer path's calls into the C++ extension (``native.build`` loads it): the compose, the norm-cache miss, the
-4-bit dequantization and the mixed layers' kept-stack check. Callers never see the extension's own answers (a
-result, ``None`` for "not mine", ``False`` for "no plan yet").
+"""The layer path's calls into the C++ extension (``native.build`` loads it): the compose (or the whole layer on a
+plain base), the norm-cache miss, the 4-bit dequantization and the mixed layers' kept-stack check. Callers never see
+the extension's own answers (a result, ``None`` for "not mine", ``False`` for "no plan yet").
 
 Prime, then run: the C++ side replays launches of Triton kernels that Python compiled. At a call it has no plan for
 (a shape's first call, a new token count), ``prime`` compiles the forward and the backward kernel on scratch tensors
@@ -34,6 +34,26 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
             backend.count("native_declined")  # (the same calls every time: the Python node)
         return python("triton", result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base, seq)
     backend.count("triton")
+    if torch.is_grad_enabled():
+        backend.count("native_backward")
+    return y
+
+
+def layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling):
+    """A layer call on the ``native`` route with a ``native`` base (``native/csrc/layer.cpp``): the base matmul, the
+    LoRA A matmul and the compose in one C++ call, with one C++ node in training; a call it has no plan for is primed
+    and run again. ``None`` where the C++ side declines it (the caller runs the base layer and the C++ compose)."""
+    mod = build._module
+    args = (x, weight, bias, lora_A, lora_B, magnitude, scales, float(scaling))
+    y = mod.layer_forward(*args)
+    if y is False:
+        like = x.new_zeros((x.numel() // x.shape[-1], weight.shape[0]))  # stands in for the base's result
+        if prime(mod, like, lora_A, lora_B, magnitude, scales, scaling, bias, None):
+            y = mod.layer_forward(*args)
+    if y is None or y is False:
+        return None
+    backend.count("triton")
+    backend.count("native_layer")
     if torch.is_grad_enabled():
         backend.count("native_backward")
     return y

@@ -22,7 +22,8 @@ import torch
 from flashdora import backend, config
 
 CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [CSRC / "compose.cpp", CSRC / "norm.cpp", CSRC / "check.cpp"]  # (launch.h: included by the first two)
+_SOURCES = [CSRC / "compose.cpp", CSRC / "layer.cpp", CSRC / "norm.cpp", CSRC / "check.cpp"]
+_HEADERS = [CSRC / "launch.h", CSRC / "compose.h"]
 _module = None  # the loaded extension
 _state = "idle"  # idle -> loaded | failed; "unbuilt": not in the cache, and nothing asked for a build yet
 seconds: float | None = None  # how long this process's build took (None: loaded from the cache, or no build)
@@ -48,7 +49,7 @@ def failed() -> bool:
 def name() -> str:
     """The extension's name: torch's version, Python's and a digest of the C++ source (a cached build of other
     source, which ninja's timestamps alone might keep, is never loaded)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, CSRC / "launch.h"))).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:10]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{py}_{digest}"
 

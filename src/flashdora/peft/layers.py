@@ -111,8 +111,10 @@ def lean_forward(self, x, *args, **kwargs):
     if active is None:
         return _PEFT_LINEAR_FORWARD(self, x, *args, **kwargs)
     native = dispatch.native_for(self, x)  # (before the base: a 4-bit base's route depends on it)
-    seq = after_base()
     base = self._modules["base_layer"]
+    if native and (y := variant.fused_forward(self, active, x, base)) is not None:
+        return y  # (the base layer, the LoRA A matmul and the compose in one C++ call)
+    seq = after_base()
     if not _bnb(base):
         return _adapt(self, active, x, base(x), seq, "module", native)
     try:

@@ -93,6 +93,28 @@ def hooked(*modules: nn.Module) -> str | None:
     return "global" if global_hooks() else None
 
 
+_PLAIN_PARAMS = (torch.Tensor, nn.Parameter)
+_function_mode = getattr(torch._C, "_is_torch_function_mode_enabled", None)  # private: where missing, "maybe"
+
+
+def plain_base(base: nn.Module, x) -> bool:
+    """Whether a call of ``base`` on ``x`` may run inside flashdora's C++ layer call (``native/csrc/layer.cpp``),
+    where nothing could tell it was not called: a plain ``nn.Linear`` (no subclass, no parametrization, no instance
+    ``forward``), no hook on it or process-wide (flashdora's own FSDP2 pre-hook included), no torch function mode,
+    its weight (and bias) plain tensors that do not train, ``x`` a plain tensor."""
+    if type(base) is not nn.Linear or type(x) is not torch.Tensor or "forward" in base.__dict__:
+        return False
+    if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
+        return False
+    if any(_GLOBAL_HOOKS) or _function_mode is None or _function_mode():
+        return False
+    params = base._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or weight.requires_grad or type(weight) not in _PLAIN_PARAMS:
+        return False
+    return bias is None or (not bias.requires_grad and type(bias) in _PLAIN_PARAMS)
+
+
 _ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
 
 

@@ -11,10 +11,11 @@ from peft.tuners.lora.layer import LoraLayer
 from torch import nn
 
 from flashdora import backend, dispatch
+from flashdora.native import bridge
 from flashdora.ops.compose import run_compose
 from flashdora.ops.norm_cache import NormCache, dora_scales
 from flashdora.peft import watch
-from flashdora.peft.support import base_layer, dequantized, is_bnb, param
+from flashdora.peft.support import base_layer, dequantized, is_bnb, param, plain_base
 
 _PEFT_DORA = variants.DoraLinearVariant
 _PEFT_FORWARD = _PEFT_DORA.__dict__["forward"]  # the staticmethod object, restored by unpatch_peft
@@ -100,6 +101,47 @@ def flash_forward(
     w = w if autocast else w.to(lora_x.dtype)
     lx_base = F.linear(lora_x, w)
     return run_compose(compose, result, lora_x, lora_A, lora_B, magnitude, scales, scaling, lx_base=lx_base)
+
+
+FUSE = True  # the C++ layer call where it may run (``flashdora bench model``'s ``flashdora_split`` mode turns it off)
+
+
+def fused_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, base: nn.Module):
+    """``peft.layers``' plain call of ``active_adapter`` on a layer whose base is ``base`` (``native_for`` said yes),
+    before the base layer runs: the base matmul, the LoRA A matmul and the compose in one C++ call and, in training,
+    one autograd node (``native.bridge.layer``; route ``native/native/native``), or ``None``: the caller runs the
+    base layer and ``flash_forward``. Taken where nothing a user could see changes (``support.plain_base``), without
+    dropout in training, with ``x`` and the weight already in the matmul dtype: PEFT's cast of ``x`` and of the
+    result are then no-ops."""
+    if not FUSE or not plain_base(base, x) or module.fan_in_fan_out:
+        return None
+    if watch.fsdp_hook is None:  # (as flash_forward: a process group may have come up since)
+        watch.watch_fsdp()
+    mods = module._modules
+    if module.training and not isinstance(mods["lora_dropout"]._modules[active_adapter], nn.Identity):
+        return None
+    weight = base._parameters["weight"]
+    lora_A = param(mods["lora_A"]._modules[active_adapter], "weight")
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    compute = torch.get_autocast_dtype(device_type) if autocast else lora_A.dtype
+    if x.dtype != compute or weight.dtype != compute or "_flashdora_pending" in module.__dict__:
+        return None
+    lora_B_layer = mods["lora_B"]._modules[active_adapter]
+    lora_B = param(lora_B_layer, "weight")
+    owner = mods["lora_magnitude_vector"]._modules[active_adapter]
+    magnitude = param(owner, "weight")
+    bias = base._parameters.get("bias")
+    route = dispatch.fused_route(
+        module, active_adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, bias
+    )
+    if route is None:
+        return None
+    scaling = float(module.scaling[active_adapter])
+    scales = NormCache.lookup_owner(
+        weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), None, x.dtype, impl=route.norm
+    )
+    return bridge.layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling)
 
 
 def _cache_id(owner) -> int:

@@ -23,6 +23,7 @@ MODEL_MODES = (
     "peft_dora",
     "flashdora",
     "flashdora_python",
+    "flashdora_split",
     "flashdora_nocache",
     "flashdora_adapter",
 )

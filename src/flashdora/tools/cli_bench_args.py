@@ -107,10 +107,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         nargs="+",
         choices=MODEL_MODES,
-        default=[m for m in MODEL_MODES if m not in ("flashdora_python", "flashdora_adapter")],
+        default=[m for m in MODEL_MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")],
         help="base: no adapters; flashdora_python: flashdora with its C++ compose off (FLASHDORA_NATIVE=0); "
+        "flashdora_split: flashdora with its C++ layer call off (the base layer called as a module); "
         "flashdora_nocache: flashdora with its norm cache off; flashdora_adapter: enable(model, dropout='adapter'), "
-        "which differs only with --dropout > 0 (default: all but flashdora_python and flashdora_adapter)",
+        "which differs only with --dropout > 0 (default: all but flashdora_python, flashdora_split and "
+        "flashdora_adapter)",
     )
     p.add_argument(
         "--dropout",

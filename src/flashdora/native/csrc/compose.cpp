@@ -21,7 +21,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
-#include "launch.h"
+#include "compose.h"
 
 #include <map>
 #include <memory>
@@ -33,102 +33,147 @@
 namespace flashdora_native {
 void add_norm(pybind11::module_& m);   // norm.cpp
 void add_check(pybind11::module_& m);  // check.cpp
+void add_layer(pybind11::module_& m);  // layer.cpp
+}  // namespace flashdora_native
+
+namespace flashdora_native {
+
+at::Tensor zero_like(const at::Tensor& a) {
+  static auto* zeros = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
+  auto key = std::make_pair(static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(a.get_device()));
+  auto it = zeros->find(key);
+  if (it == zeros->end()) it = zeros->emplace(key, at::zeros({}, a.options())).first;
+  return it->second;
+}
+
+std::pair<at::Tensor, at::Tensor> ComposeBackward::unpack_saved() {
+  // create_graph=True: this node keeps no edge from inner to its producers, so it refuses (ops/compose_grad2.py
+  // REFUSED, the same words); forwards under flashdora.double_backward() never take the C++ path.
+  TORCH_CHECK(!at::GradMode::is_enabled(),
+              "flashdora: a gradient of a gradient (create_graph=True) through a DoRA layer needs the layer's "
+              "forward to have run with flashdora.double_backward() on (e.g. `with flashdora.double_backward(): "
+              "loss = model(x)`; first-order training never pays for it), or the model on PEFT's DoRA "
+              "(flashdora.disable(model))");
+  TORCH_CHECK(scales_.defined(),
+              "flashdora: trying to backward through the compose a second time after its buffers were freed "
+              "(specify retain_graph=True)");
+  TORCH_CHECK(lora_B_._version() == b_version_,
+              "flashdora: lora_B was modified by an inplace operation between the forward and the backward (version " +
+                  std::to_string(b_version_) + " -> " + std::to_string(lora_B_._version()) +
+                  "); the backward needs the values the forward used");
+  auto self = getptr();
+  return {a_.unpack(self), inner_.unpack(self)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::kernel(const at::Tensor& grad,
+                                                                                   const at::Tensor& inner) {
+  at::Tensor dy = grad.contiguous();
+  if (!aligned(dy)) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
+  const int64_t n = dy.size(-1), t = dy.numel() / n;
+  at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
+  at::Tensor d_lx = lx_base_ ? at::empty_like(dy, at::MemoryFormat::Contiguous) : gdy;
+  at::Tensor dg_part = at::empty({plan_.n_split, n}, scales_.options());
+  std::vector<Arg> args = {
+      ptr(dy), ptr(inner), ptr(scales_), ptr(gdy), ptr(d_lx), ptr(dg_part),
+      integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, gdy_scale_},
+      integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
+  };
+  launch(plan_, args, plan_.n_split, cdiv(n, plan_.block_n), current_stream(dy.device()));
+  at::Tensor dm = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
+  return {dy, gdy, d_lx, dm};
+}
+
+at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type) const {
+  at::Tensor b = lora_B_.scalar_type() == type ? lora_B_ : lora_B_.to(type);
+  return alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
+}
+
+variable_list ComposeBackward::apply(variable_list&& grads) {
+  variable_list out(lx_base_ ? 5 : 4);
+  if (!grads[0].defined()) return out;
+  auto [a, inner] = unpack_saved();
+  auto [dy, gdy, d_lx, dm] = kernel(grads[0], inner);
+  const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
+  if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
+  if (should_compute_output(3)) out[3] = dm;
+  if (lx_base_ && should_compute_output(4)) out[4] = d_lx;
+  if (should_compute_output(1) || should_compute_output(2)) {
+    at::Tensor gdy2 = gdy.view({t, n});
+    if (gdy2.scalar_type() != a.scalar_type()) gdy2 = gdy2.to(a.scalar_type());
+    if (should_compute_output(2)) {  // s gdy^T a: [d_out, r], in a's dtype (autograd casts it to lora_B's)
+      at::Tensor a2 = a.view({t, r});
+      out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
+    }
+    if (should_compute_output(1)) out[1] = d_a(gdy2, a.scalar_type()).view(a.sizes());  // s gdy B: [T, r]
+  }
+  return out;
+}
+
+void ComposeBackward::release_variables() {
+  a_.reset_data();
+  inner_.reset_data();
+  scales_.reset();
+}
+
+void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& inner,
+               const at::Tensor& scales, double scaling, bool lx_base) {
+  node.a_ = SavedVariable(a, false);
+  node.inner_ = SavedVariable(inner, false);
+  node.lora_B_ = lora_B;
+  node.b_version_ = lora_B._version();
+  node.scales_ = scales;
+  node.lx_base_ = lx_base;
+  node.alpha_ = lx_base ? 1.0 : scaling;
+  node.gdy_scale_ = lx_base ? scaling : 1.0;
+  node.zero_ = zero_like(a);
+}
+
+std::map<std::vector<int64_t>, Plan>& plans() {
+  static auto* table = new std::map<std::vector<int64_t>, Plan>();  // (never freed: used until the process ends)
+  return *table;
+}
+
+std::vector<int64_t> fwd_key(int64_t device, int64_t t, int64_t n, c10::ScalarType out_type, int64_t r,
+                             c10::ScalarType a_type, c10::ScalarType b_type, int64_t b_stride, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& bias, bool save_inner,
+                             const std::optional<at::Tensor>& lx_base) {
+  return {0, device, n, r, static_cast<int64_t>(out_type), static_cast<int64_t>(a_type),
+          static_cast<int64_t>(b_type), bias ? static_cast<int64_t>(bias->scalar_type()) : -1,
+          static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0)),
+          lx_base ? static_cast<int64_t>(lx_base->scalar_type()) : -1};
+}
+
+std::vector<int64_t> bwd_key(int64_t device, int64_t t, int64_t n, c10::ScalarType out_type, const at::Tensor& scales,
+                             bool has_lx_base) {
+  return {1, device, t, n, static_cast<int64_t>(out_type), static_cast<int64_t>(scales.scalar_type()),
+          scales.stride(0), has_lx_base};
+}
+
+Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
+  Plan& plan = plans()[std::move(key)];  // (std::map: the reference stays valid while other keys are added)
+  *out = &plan;
+  if (plan.function != 0) return Found::plan;
+  return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
+}
+
+void launch_forward(const Plan& plan, const at::Tensor& result, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor* lx_base, const at::Tensor* bias, const at::Tensor& scales, const at::Tensor& y,
+                    const at::Tensor& inner, double scaling) {
+  const int64_t n = result.size(-1), t = result.numel() / n, r = a.size(-1);
+  std::vector<Arg> args = {
+      ptr(result), ptr(a), ptr(b), lx_base ? ptr(*lx_base) : ptr(result), bias ? ptr(*bias) : ptr(scales),
+      ptr(scales), ptr(y), ptr(inner),
+      integer(t), integer(n), integer(r), Arg{'f', nullptr, 0, scaling},
+      integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
+  };
+  launch(plan, args, cdiv(t, plan.block_m), cdiv(n, plan.block_n), current_stream(result.device()));
+}
+
 }  // namespace flashdora_native
 
 namespace {
 
 using namespace flashdora_native;
-using torch::autograd::Node;
-using torch::autograd::SavedVariable;
-using torch::autograd::variable_list;
-
-// A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
-template <typename T>
-auto make_node() {
-  using Ptr = decltype(std::declval<T&>().getptr());
-  if constexpr (std::is_same_v<Ptr, std::shared_ptr<Node>>) {
-    return std::make_shared<T>();
-  } else {
-    return c10::make_intrusive<T>();
-  }
-}
-
-// d_result, d_a, d_lora_B, d_magnitude (and d_lx_base) of `y = compose(result, a, lora_B, magnitude[, lx_base])`.
-// Without lx_base: y = g (result - bias + s a B^T) + bias, d_result = g dy, s on the LoRA GEMMs' alpha. With
-// dropout's lx_base = lx W^T: y = result + (g - 1) lx_base + g s a B^T, d_result = dy, d_lx_base = (g - 1) dy, and
-// the LoRA GEMMs take (dy s) g, PEFT's rounding (ops/compose_fn.py `_bwd`).
-struct ComposeBackward : public Node {
-  SavedVariable a_, inner_;
-  at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
-  uint32_t b_version_ = 0;
-  double alpha_ = 1.0;      // the LoRA GEMMs' alpha
-  double gdy_scale_ = 1.0;  // the kernel's factor on dy before g
-  bool lx_base_ = false;
-  Plan plan_;
-
-  std::string name() const override { return "FlashDoraComposeBackward"; }
-
-  // (a, inner), after the checks the Python path makes.
-  std::pair<at::Tensor, at::Tensor> unpack_saved() {
-    // create_graph=True: this node keeps no edge from inner to its producers, so it refuses (ops/compose_grad2.py
-    // REFUSED, the same words); forwards under flashdora.double_backward() never take the C++ path.
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "flashdora: a gradient of a gradient (create_graph=True) through a DoRA layer needs the layer's "
-                "forward to have run with flashdora.double_backward() on (e.g. `with flashdora.double_backward(): "
-                "loss = model(x)`; first-order training never pays for it), or the model on PEFT's DoRA "
-                "(flashdora.disable(model))");
-    TORCH_CHECK(scales_.defined(),
-                "flashdora: trying to backward through the compose a second time after its buffers were freed "
-                "(specify retain_graph=True)");
-    TORCH_CHECK(lora_B_._version() == b_version_,
-                "flashdora: lora_B was modified by an inplace operation between the forward and the backward (version " +
-                    std::to_string(b_version_) + " -> " + std::to_string(lora_B_._version()) +
-                    "); the backward needs the values the forward used");
-    auto self = getptr();
-    return {a_.unpack(self), inner_.unpack(self)};
-  }
-
-  variable_list apply(variable_list&& grads) override {
-    variable_list out(lx_base_ ? 5 : 4);
-    if (!grads[0].defined()) return out;
-    auto [a, inner] = unpack_saved();
-    at::Tensor dy = grads[0].contiguous();
-    if (!aligned(dy)) dy = dy.clone();  // the plan's kernel assumes 16-byte alignment
-    const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
-    at::Tensor gdy = at::empty_like(dy, at::MemoryFormat::Contiguous);
-    at::Tensor d_lx = lx_base_ ? at::empty_like(dy, at::MemoryFormat::Contiguous) : gdy;
-    at::Tensor dg_part = at::empty({plan_.n_split, n}, scales_.options());
-    std::vector<Arg> args = {
-        ptr(dy), ptr(inner), ptr(scales_), ptr(gdy), ptr(d_lx), ptr(dg_part),
-        integer(t), integer(n), integer(plan_.block_m), Arg{'f', nullptr, 0, gdy_scale_},
-        integer(n), integer(n), integer(n), integer(n), integer(scales_.stride(0)),
-    };
-    launch(plan_, args, plan_.n_split, cdiv(n, plan_.block_n), current_stream(dy.device()));
-    if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
-    if (should_compute_output(3)) out[3] = plan_.n_split == 1 ? dg_part.select(0, 0) : dg_part.sum(0);
-    if (lx_base_ && should_compute_output(4)) out[4] = d_lx;
-    if (should_compute_output(1) || should_compute_output(2)) {
-      at::Tensor gdy2 = gdy.view({t, n});
-      if (gdy2.scalar_type() != a.scalar_type()) gdy2 = gdy2.to(a.scalar_type());
-      if (should_compute_output(2)) {  // s gdy^T a: [d_out, r], in a's dtype (autograd casts it to lora_B's)
-        at::Tensor a2 = a.view({t, r});
-        out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
-      }
-      if (should_compute_output(1)) {  // s gdy B: [T, r]
-        at::Tensor b = lora_B_.scalar_type() == a.scalar_type() ? lora_B_ : lora_B_.to(a.scalar_type());
-        at::Tensor da = alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
-        out[1] = da.view(a.sizes());
-      }
-    }
-    return out;
-  }
-
-  void release_variables() override {
-    a_.reset_data();
-    inner_.reset_data();
-    scales_.reset();
-  }
-};
 
 // A node of type T with the edges and saved state both node types share (set_history hangs it on y); `scaling`
 // goes on the LoRA GEMMs' alpha without lx_base, on dy before g with it.
@@ -142,24 +187,8 @@ auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& l
   } else {
     node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
   }
-  node->a_ = SavedVariable(a, false);
-  node->inner_ = SavedVariable(inner, false);
-  node->lora_B_ = lora_B;
-  node->b_version_ = lora_B._version();
-  node->scales_ = scales;
-  node->lx_base_ = lx_base.has_value();
-  node->alpha_ = node->lx_base_ ? 1.0 : scaling;
-  node->gdy_scale_ = node->lx_base_ ? scaling : 1.0;
+  fill_node(*node, a, lora_B, inner, scales, scaling, lx_base.has_value());
   return node;
-}
-
-// The eager path's 0-dim zero for addmm's ignored input, one per dtype and device.
-at::Tensor zero_like(const at::Tensor& a) {
-  static auto* zeros = new std::map<std::pair<int64_t, int64_t>, at::Tensor>();
-  auto key = std::make_pair(static_cast<int64_t>(a.scalar_type()), static_cast<int64_t>(a.get_device()));
-  auto it = zeros->find(key);
-  if (it == zeros->end()) it = zeros->emplace(key, at::zeros({}, a.options())).first;
-  return it->second;
 }
 
 // Hang a ComposeBackward launching `plan` on `y` (fresh, from the fused forward kernel): its inputs are result, a,
@@ -168,50 +197,9 @@ void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, cons
                const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling, Plan plan,
                const std::optional<at::Tensor>& lx_base = std::nullopt) {
   auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling, lx_base);
-  node->zero_ = zero_like(a);
   node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
 }
-
-// ---- The forward, and the launch plans it finds by key ----
-
-// Every plan Python has filed, by key; a forward key seen without a plan holds a placeholder that counts misses.
-std::map<std::vector<int64_t>, Plan>& plans() {
-  static auto* table = new std::map<std::vector<int64_t>, Plan>();  // (never freed: used until the process ends)
-  return *table;
-}
-
-
-// The forward kernel compiled for a call: everything the autotuner's key, the constexpr flags and Triton's
-// specialization depend on (all pointers 16-byte aligned: `forward` checks; `a` is a fresh [T, r] tensor).
-std::vector<int64_t> fwd_key(const at::Tensor& result, int64_t r, c10::ScalarType a_type, c10::ScalarType b_type,
-                             int64_t b_stride, const at::Tensor& scales, const std::optional<at::Tensor>& bias,
-                             bool save_inner, const std::optional<at::Tensor>& lx_base) {
-  const int64_t n = result.size(-1), t = result.numel() / n;
-  return {0, result.get_device(), n, r, static_cast<int64_t>(result.scalar_type()), static_cast<int64_t>(a_type),
-          static_cast<int64_t>(b_type), bias ? static_cast<int64_t>(bias->scalar_type()) : -1,
-          static_cast<int64_t>(scales.scalar_type()), save_inner, spec(t), spec(b_stride), spec(scales.stride(0)),
-          lx_base ? static_cast<int64_t>(lx_base->scalar_type()) : -1};
-}
-
-// The backward kernel's plan (its token split depends on T itself; dropout's lx_base adds an output).
-std::vector<int64_t> bwd_key(const at::Tensor& result, const at::Tensor& scales, bool has_lx_base) {
-  const int64_t n = result.size(-1);
-  return {1, result.get_device(), result.numel() / n, n, static_cast<int64_t>(result.scalar_type()),
-          static_cast<int64_t>(scales.scalar_type()), scales.stride(0), has_lx_base};
-}
-
-enum class Found { plan, missing, given_up };
-
-// The plan filed under `key` in `*out`; a key without one counts a miss, and is given up after kMaxMisses.
-Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
-  Plan& plan = plans()[std::move(key)];  // (std::map: the reference stays valid while other keys are added)
-  *out = &plan;
-  if (plan.function != 0) return Found::plan;
-  return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
-}
-
-constexpr int64_t kCastBFirst = 8 * (1 << 20);  // kernels/compose.py CAST_B_FIRST (tests/ops/test_native.py checks)
 
 // native/bridge.py `compose`: the compose on the Triton path: y, or None where this call is not one it takes (the
 // Python path runs), or False where it has no plan for it yet (bridge's `prime` files them, then calls again).
@@ -244,8 +232,8 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     if (!aligned(bias_c)) return py::none();
   }
   const Plan* fwd = nullptr;
-  switch (find_plan(fwd_key(result, r, cd, cast_b ? cd : lora_B.scalar_type(), cast_b ? r : lora_B.stride(0), scales,
-                            bias, train, lx_base),
+  switch (find_plan(fwd_key(result.get_device(), t, n, result.scalar_type(), r, cd, cast_b ? cd : lora_B.scalar_type(),
+                            cast_b ? r : lora_B.stride(0), scales, bias, train, lx_base),
                     &fwd)) {
     case Found::given_up: return py::none();
     case Found::missing: return py::bool_(false);
@@ -255,7 +243,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   // native/bridge.py `prime` files both before the call runs here (no miss is counted for it).
   const Plan* bwd = nullptr;
   if (train) {
-    auto it = plans().find(bwd_key(result, scales, lx_base.has_value()));
+    auto it = plans().find(bwd_key(result.get_device(), t, n, result.scalar_type(), scales, lx_base.has_value()));
     if (it == plans().end()) return py::bool_(false);
     bwd = &it->second;
   }
@@ -275,13 +263,8 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
-  std::vector<Arg> args = {
-      ptr(result), ptr(a), ptr(b), lx_base ? ptr(*lx_base) : ptr(result), bias ? ptr(bias_c) : ptr(scales),
-      ptr(scales), ptr(y), ptr(inner),
-      integer(t), integer(n), integer(r), Arg{'f', nullptr, 0, scaling},
-      integer(n), integer(r), integer(b.stride(0)), integer(n), integer(n), integer(n), integer(scales.stride(0)),
-  };
-  launch(*fwd, args, cdiv(t, fwd->block_m), cdiv(n, fwd->block_n), current_stream(result.device()));
+  launch_forward(*fwd, result, a, b, lx_base ? &*lx_base : nullptr, bias ? &bias_c : nullptr, scales, y, inner,
+                 scaling);
   if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd, lx_base);
   return py::cast(y);
 }
@@ -293,8 +276,9 @@ void register_forward(const at::Tensor& result, const at::Tensor& a, const at::T
                       int64_t shared, int64_t block_m, int64_t block_n, std::string types, std::vector<int64_t> keep,
                       const std::optional<at::Tensor>& lx_base) {
   TORCH_CHECK(function != 0, "flashdora.native: register_forward needs a loaded kernel");
-  plans()[fwd_key(result, a.size(-1), a.scalar_type(), b.scalar_type(), b.stride(0), scales, bias, save_inner,
-                  lx_base)] =
+  const int64_t n = result.size(-1), t = result.numel() / n;
+  plans()[fwd_key(result.get_device(), t, n, result.scalar_type(), a.size(-1), a.scalar_type(), b.scalar_type(),
+                  b.stride(0), scales, bias, save_inner, lx_base)] =
       Plan{function, warps, shared, block_m, block_n, 1, std::move(types), std::move(keep)};
 }
 
@@ -303,8 +287,9 @@ void register_backward(const at::Tensor& result, const at::Tensor& scales, int64
                        int64_t shared, int64_t block_n, int64_t n_split, int64_t rows, std::string types,
                        std::vector<int64_t> keep, bool has_lx_base) {
   TORCH_CHECK(function != 0, "flashdora.native: register_backward needs a loaded kernel");
-  plans()[bwd_key(result, scales, has_lx_base)] = Plan{function, warps, shared, rows, block_n, n_split, std::move(types),
-                                          std::move(keep)};
+  const int64_t n = result.size(-1);
+  plans()[bwd_key(result.get_device(), result.numel() / n, n, result.scalar_type(), scales, has_lx_base)] =
+      Plan{function, warps, shared, rows, block_n, n_split, std::move(types), std::move(keep)};
 }
 
 // The same node's math in ATen, no kernel: a CPU test of the node's wiring (tests/ops/test_native.py).
@@ -359,6 +344,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("has_lx_base") = false);
   flashdora_native::add_norm(m);
   flashdora_native::add_check(m);
+  flashdora_native::add_layer(m);
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
         py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none());

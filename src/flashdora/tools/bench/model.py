@@ -3,8 +3,9 @@
 The base model is built once (bf16, gradient checkpointing on) and wrapped in turn: PEFT LoRA (then unloaded),
 PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable``, as
 ``flashdora_python`` as ``flashdora`` with ``FLASHDORA_NATIVE=0`` (the Python compose, for an A/B of the C++ one in
-one launch), as ``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as ``flashdora_adapter`` after
-``flashdora.enable(dropout="adapter")``, then unloaded). Phases (``inference``, ``grad``,
+one launch), as ``flashdora_split`` as ``flashdora`` with the C++ layer call off (the base layer called as a module:
+an A/B of the layer call), as ``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as
+``flashdora_adapter`` after ``flashdora.enable(dropout="adapter")``, then unloaded). Phases (``inference``, ``grad``,
 ``train``, ``decode``) and what each step does: bench/model_phases.py. ``grad`` and ``train`` change (or mark as
 changed) the weights every step, so flashdora's norm cache recomputes the norm once per step, as in real training;
 ``inference`` and ``decode`` keep the cache (weights are fixed). ``train`` really updates the adapters (AdamW,
@@ -25,7 +26,7 @@ import flashdora
 from flashdora.tools.bench import host, record, timing
 from flashdora.tools.bench.model_build import TARGETS, build_base, build_config, build_weights, default_rank, wrap
 from flashdora.tools.bench.model_interleave import ORDER, run_interleaved
-from flashdora.tools.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, native_off, phase_row, step_fn
+from flashdora.tools.bench.model_phases import TRAIN_OPTIMIZER, first_call_timed, mode_switch, phase_row, step_fn
 from flashdora.tools.bench.model_render import MODES, PHASES, render_markdown, render_png  # noqa: F401 - for callers
 
 
@@ -71,7 +72,9 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
     rows = []
     if "base" in args.modes:
         rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
-    dora_modes = ["peft_dora", "flashdora", "flashdora_python", "flashdora_nocache", "flashdora_adapter"]
+    dora_modes = [
+        "peft_dora", "flashdora", "flashdora_python", "flashdora_split", "flashdora_nocache", "flashdora_adapter",
+    ]  # fmt: skip
     groups = [(False, ["peft_lora"]), (True, dora_modes)]
     if reverse:
         groups = [(use_dora, modes[::-1]) for use_dora, modes in groups[::-1]]
@@ -89,7 +92,7 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
             else:
                 dropout = "adapter" if mode == "flashdora_adapter" else "exact"
                 flashdora.enable(peft_model, norm_cache=mode != "flashdora_nocache", dropout=dropout)
-            with native_off(mode == "flashdora_python"):
+            with mode_switch(mode):
                 rows += measure_mode(peft_model, mode, ids, args, device, base_row, bar, task, label)
         model = peft_model.unload()
         del peft_model

@@ -28,7 +28,7 @@ import torch
 import flashdora
 from flashdora.tools.bench import host, timing
 from flashdora.tools.bench.model_build import prepare, wrap
-from flashdora.tools.bench.model_phases import Feed, base_pass, native_off, phase_row, step_fn
+from flashdora.tools.bench.model_phases import Feed, base_pass, mode_switch, phase_row, step_fn
 
 ORDER = (
     "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "
@@ -62,8 +62,8 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
     try:
         for mode, model in models.items():  # each mode's first (cold) step alone, and the paths it took
             fn = step_fn(model, feed, phase, args)
-            if mode == "flashdora_python":
-                fn = _without_native(fn)
+            if mode in ("flashdora_python", "flashdora_split"):
+                fn = _switched(fn, mode)
             fns[mode] = fn
             flashdora.reset_stats()
             rows[mode]["first_ms"] = _wall_ms(fn, device) / per
@@ -161,9 +161,9 @@ def _wall_ms(fn, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _without_native(fn):
+def _switched(fn, mode):
     def call():
-        with native_off(True):
+        with mode_switch(mode):
             fn()
 
     return call

@@ -167,3 +167,23 @@ def phase_row(target, base_row, mode, phase, args) -> dict:
 def native_off(off: bool):
     """``configure(native=False)`` inside (``off``), the caller's setting restored after."""
     return config.override(native=False) if off else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _split():
+    from flashdora.peft import variant
+
+    before, variant.FUSE = variant.FUSE, False
+    try:
+        yield
+    finally:
+        variant.FUSE = before
+
+
+def mode_switch(mode: str):
+    """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
+    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
+    caller's settings restored after."""
+    if mode == "flashdora_split":
+        return _split()
+    return native_off(mode == "flashdora_python")
