@@ -194,9 +194,9 @@ def test_gpu_layer_call_matches_peft_in_inference_and_training(ext, monkeypatch)
 
 @pytest.mark.gpu
 def test_gpu_layer_call_leaves_the_base_to_its_hooks_and_other_dtypes(ext, monkeypatch):
-    """A forward hook on the base layer runs (the base is called: ``native/native/module``); a float32 base under
-    autocast (the base's cast copy would be kept for the backward) and an input in another dtype take the split
-    path; an in-place change of the base weight before the backward fails it, naming the weight."""
+    """A forward hook on the base layer runs (the base is called: ``native/native/module``); an input in another
+    dtype than the weight's takes the split path; an in-place change of the base weight before the backward fails it,
+    naming the weight; dropout in training takes the split path, and in eval mode the layer call."""
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")
     monkeypatch.setattr(native.build, "_module", ext)
     model = flashdora.enable(_model())
@@ -217,3 +217,9 @@ def test_gpu_layer_call_leaves_the_base_to_its_hooks_and_other_dtypes(ext, monke
         layer.base_layer.weight.add_(0.0)
     with pytest.raises(RuntimeError, match="base layer's weight was modified by an inplace operation"):
         y.float().sum().backward()
+    layer.lora_dropout["default"] = nn.Dropout(0.1)  # dropout in training: the split path; in eval, none to apply
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model.train()(x)
+        assert dispatch.last_route(layer, "default")[2] == "module"
+        model.eval()(x)
+        assert dispatch.last_route(layer, "default")[2] == "native"
