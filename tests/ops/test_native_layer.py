@@ -223,3 +223,39 @@ def test_gpu_layer_call_leaves_the_base_to_its_hooks_and_other_dtypes(ext, monke
         assert dispatch.last_route(layer, "default")[2] == "module"
         model.eval()(x)
         assert dispatch.last_route(layer, "default")[2] == "native"
+
+
+_FIRST_BACKWARD = """
+import torch
+from peft import LoraConfig, get_peft_model
+import flashdora
+net = torch.nn.Sequential(torch.nn.Linear(256, 384)).to("cuda", torch.bfloat16)
+cfg = LoraConfig(r=8, lora_alpha=8, use_dora=True, target_modules=["0"], init_lora_weights=False)
+model = flashdora.enable(get_peft_model(net, cfg))
+x = torch.randn(2, 16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    y = model(x)
+assert y.grad_fn.name() == "FlashDoraLayerBackward", y.grad_fn
+y.backward(torch.randn_like(y))
+torch.cuda.synchronize()
+assert x.grad is not None and not x.grad.isnan().any()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_fresh_process_whose_first_backward_node_is_the_layers(ext):
+    """In a fresh process, a backward that starts at a layer call's output runs the C++ node first on the autograd
+    engine's device thread, before any CUDA runtime call there has made the device's context current: the node's
+    launch makes it current (it failed with CUresult 201 before)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root / "src"), str(root), os.environ.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", _FIRST_BACKWARD]
+    done = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -19,13 +19,42 @@ namespace flashdora_native {
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
 
-inline LaunchFn launch_fn() {
-  static LaunchFn fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    return lib == nullptr ? nullptr : reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+inline void* libcuda() {
+  static void* lib = [] {
+    void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return handle == nullptr ? dlopen("libcuda.so.1", RTLD_NOW) : handle;
   }();
+  return lib;
+}
+
+inline void* driver_symbol(const char* name) { return libcuda() == nullptr ? nullptr : dlsym(libcuda(), name); }
+
+inline LaunchFn launch_fn() {
+  static LaunchFn fn = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
   return fn;
+}
+
+// Make the current device's primary context current on this thread where no context is. The CUDA runtime does it
+// lazily, at a thread's first runtime call; the autograd engine's device thread can reach a node of ours before any
+// (a backward that starts at a flashdora layer's output), and the driver's cuLaunchKernel then finds no context
+// (CUresult 201). cuCtxGetCurrent is the whole cost of every other launch.
+inline void ensure_context() {
+  using GetFn = int (*)(void**);
+  using DeviceFn = int (*)(int*, int);
+  using RetainFn = int (*)(void**, int);
+  using SetFn = int (*)(void*);
+  static GetFn get = reinterpret_cast<GetFn>(driver_symbol("cuCtxGetCurrent"));
+  void* ctx = nullptr;
+  if (get == nullptr || get(&ctx) != 0 || ctx != nullptr) return;
+  static DeviceFn device_get = reinterpret_cast<DeviceFn>(driver_symbol("cuDeviceGet"));
+  static RetainFn retain = reinterpret_cast<RetainFn>(driver_symbol("cuDevicePrimaryCtxRetain"));
+  static SetFn set = reinterpret_cast<SetFn>(driver_symbol("cuCtxSetCurrent"));
+  TORCH_CHECK(device_get != nullptr && retain != nullptr && set != nullptr,
+              "flashdora.native: the CUDA driver's context functions were not found in libcuda.so.1");
+  const int index = static_cast<int>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index());
+  int device = 0;
+  TORCH_CHECK(device_get(&device, index) == 0 && retain(&ctx, device) == 0 && set(ctx) == 0,
+              "flashdora.native: could not make CUDA device " + std::to_string(index) + "'s context current");
 }
 
 // One compiled Triton kernel and its tuned blocks: what Triton's launcher would pass it, decided in Python
@@ -58,6 +87,7 @@ inline void* current_stream(const c10::Device& device) {
 inline void launch(const Plan& plan, const std::vector<Arg>& args, int64_t grid_x, int64_t grid_y, void* stream) {
   LaunchFn fn = launch_fn();
   TORCH_CHECK(fn != nullptr, "flashdora.native: cuLaunchKernel not found in libcuda.so.1");
+  ensure_context();
   std::vector<uint64_t> storage(plan.types.size(), 0);  // 8 bytes per parameter, written in its own type
   std::vector<void*> params(plan.types.size(), nullptr);
   for (size_t k = 0; k < plan.types.size(); ++k) {
