@@ -69,7 +69,7 @@ class RouteRow(NamedTuple):
 _ALL_BASES, _PLAIN_BASES = ("module", "layer", "bnb"), ("module", "layer")
 MEASURED_LAYER = (
     "8B training step 0.92x PEFT LoRA's against 0.99x with it off (16 layers, r = 16, 1 x 2048), 0.99x against "
-    "1.11x at r = 384 (one H100; docs/benchmarks.md, \"The host\")"
+    "1.11x at r = 384 (two H100s; docs/benchmarks.md, \"The host\")"
 )
 # The route table: docs/design.md's "Routes" is ``route_table()`` (tests/test_routes.py checks both, and that the
 # routes the functions below can produce are exactly these).
