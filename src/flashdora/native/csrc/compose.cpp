@@ -156,6 +156,20 @@ Found find_plan(std::vector<int64_t>&& key, const Plan** out) {
   return ++plan.misses > kMaxMisses ? Found::given_up : Found::missing;
 }
 
+Found compose_plans(int64_t device, int64_t t, int64_t n, c10::ScalarType out_type, int64_t r, c10::ScalarType cd,
+                    const at::Tensor& lora_B, bool cast_b, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& bias, bool train, const std::optional<at::Tensor>& lx_base,
+                    const Plan** fwd, const Plan** bwd) {
+  const Found found = find_plan(fwd_key(device, t, n, out_type, r, cd, cast_b ? cd : lora_B.scalar_type(),
+                                        cast_b ? r : lora_B.stride(0), scales, bias, train, lx_base),
+                                fwd);
+  if (found != Found::plan || !train) return found;
+  auto it = plans().find(bwd_key(device, t, n, out_type, scales, lx_base.has_value()));
+  if (it == plans().end()) return Found::missing;
+  *bwd = &it->second;
+  return Found::plan;
+}
+
 void launch_forward(const Plan& plan, const at::Tensor& result, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor* lx_base, const at::Tensor* bias, const at::Tensor& scales, const at::Tensor& y,
                     const at::Tensor& inner, double scaling) {
@@ -231,21 +245,12 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
     bias_c = bias->contiguous();
     if (!aligned(bias_c)) return py::none();
   }
-  const Plan* fwd = nullptr;
-  switch (find_plan(fwd_key(result.get_device(), t, n, result.scalar_type(), r, cd, cast_b ? cd : lora_B.scalar_type(),
-                            cast_b ? r : lora_B.stride(0), scales, bias, train, lx_base),
-                    &fwd)) {
+  const Plan *fwd = nullptr, *bwd = nullptr;
+  switch (compose_plans(result.get_device(), t, n, result.scalar_type(), r, cd, lora_B, cast_b, scales, bias, train,
+                        lx_base, &fwd, &bwd)) {
     case Found::given_up: return py::none();
-    case Found::missing: return py::bool_(false);
+    case Found::missing: return py::bool_(false);  // (native/bridge.py `prime` files the plans, then calls again)
     case Found::plan: break;
-  }
-  // In training the backward kernel's plan is needed too (its token split depends on T): without one, False, and
-  // native/bridge.py `prime` files both before the call runs here (no miss is counted for it).
-  const Plan* bwd = nullptr;
-  if (train) {
-    auto it = plans().find(bwd_key(result.get_device(), t, n, result.scalar_type(), scales, lx_base.has_value()));
-    if (it == plans().end()) return py::bool_(false);
-    bwd = &it->second;
   }
 
   // a = x A^T in the matmul dtype, as ops/compose_fn.py `_lora_a`: under autocast with grad, autocast casts both

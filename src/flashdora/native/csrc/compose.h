@@ -86,6 +86,14 @@ enum class Found { plan, missing, given_up };
 // The plan filed under `key` in `*out`; a key without one counts a miss, and is given up after kMaxMisses.
 Found find_plan(std::vector<int64_t>&& key, const Plan** out);
 
+// The plans a compose call launches, whose result is [t, n] of `out_type` and whose matmuls run in `cd`: the forward
+// kernel's in `*fwd` and, in training, the backward kernel's in `*bwd` (its token split depends on T). `missing`
+// where either is not filed yet (native/bridge.py `prime` files both; no miss is counted for the backward's).
+Found compose_plans(int64_t device, int64_t t, int64_t n, c10::ScalarType out_type, int64_t r, c10::ScalarType cd,
+                    const at::Tensor& lora_B, bool cast_b, const at::Tensor& scales,
+                    const std::optional<at::Tensor>& bias, bool train, const std::optional<at::Tensor>& lx_base,
+                    const Plan** fwd, const Plan** bwd);
+
 // The fused forward kernel: y (and, in training, inner) from result, a = x A^T and b (lora_B as the kernel reads it).
 void launch_forward(const Plan& plan, const at::Tensor& result, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor* lx_base, const at::Tensor* bias, const at::Tensor& scales, const at::Tensor& y,

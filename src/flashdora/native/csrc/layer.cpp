@@ -144,19 +144,12 @@ py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const st
   }
   const bool cast_b = lora_B.numel() >= kCastBFirst && lora_B.scalar_type() != cd;
   if (!cast_b && !aligned(lora_B)) return py::none();
-  const Plan* fwd = nullptr;
-  switch (find_plan(fwd_key(x.get_device(), t, n, cd, r, cd, cast_b ? cd : lora_B.scalar_type(),
-                            cast_b ? r : lora_B.stride(0), scales, bias, train, std::nullopt),
-                    &fwd)) {
+  const Plan *fwd = nullptr, *bwd = nullptr;
+  switch (compose_plans(x.get_device(), t, n, cd, r, cd, lora_B, cast_b, scales, bias, train, std::nullopt, &fwd,
+                        &bwd)) {
     case Found::given_up: return py::none();
     case Found::missing: return py::bool_(false);
     case Found::plan: break;
-  }
-  const Plan* bwd = nullptr;
-  if (train) {
-    auto it = plans().find(bwd_key(x.get_device(), t, n, cd, scales, false));
-    if (it == plans().end()) return py::bool_(false);
-    bwd = &it->second;
   }
 
   std::vector<int64_t> sizes = x.sizes().vec();
