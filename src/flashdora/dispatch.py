@@ -86,9 +86,9 @@ ROUTES = (
     RouteRow(
         ("native",), ("native",), ("native",),
         "as the row above, on a plain `nn.Linear` base where nothing a user could see is skipped by not calling "
-        "it: no hook on it or process-wide, no torch function mode, its weight and bias frozen, no dropout in "
-        "training, `x` and the weight already in the matmul dtype (`peft.support.plain_base`); a call the C++ side "
-        "declines runs `native/native/module`",
+        "it: no hook on it or process-wide (so no process group: flashdora's FSDP2 watch is one), no torch function "
+        "mode, its weight and bias frozen, no dropout in training, `x` and the weight already in the matmul dtype "
+        "(`peft.support.plain_base`); a call the C++ side declines runs `native/native/module`",
         "host time per layer call: the base matmul, the LoRA A matmul and the compose in one C++ call, the whole "
         "backward in one autograd node (`native/csrc/layer.cpp`)",
         MEASURED_LAYER,

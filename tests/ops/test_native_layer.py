@@ -59,7 +59,6 @@ def test_cpu_node_gives_the_split_paths_gradients(ext, dtype, s, bias):
     result, a = F.linear(x, w, b), F.linear(x, lora_A)
     ref_y = C.ComposeFunction.apply(result, a, None, b, lora_B, mag, scales, s, dtype, False)
     want = torch.autograd.grad(ref_y, (x, lora_A, lora_B, mag), dy)
-    torch.testing.assert_close(y.detach(), ref_y.detach(), rtol=0, atol=0)
     for name, g, ref in zip(("x", "lora_A", "lora_B", "magnitude"), got, want, strict=True):
         assert g.dtype == ref.dtype and g.shape == ref.shape, name
         tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -116,6 +115,31 @@ def test_plain_base_says_when_a_base_layer_may_go_uncalled():
     torch.nn.utils.parametrize.register_parametrization(base, "weight", nn.Identity())
     assert not plain_base(base, x)
     assert plain_base(nn.Linear(8, 4, bias=False).requires_grad_(False), x)
+
+
+def test_a_process_group_keeps_the_first_call_off_the_layer_call(monkeypatch):
+    """Once a process group is up, flashdora's FSDP2 watch (a process-wide hook) keeps layers off the layer call; it
+    is installed before the layer call's check, so a process's first call decides as every later one does (a
+    checkpoint's recomputation on the other path would save other tensors)."""
+    from peft import LoraConfig, get_peft_model
+
+    from flashdora.peft import watch
+
+    net = nn.Sequential(nn.Linear(16, 8))
+    model = flashdora.enable(get_peft_model(net, LoraConfig(r=2, use_dora=True, target_modules=["0"])))
+    layer, x = model.base_model.model[0], torch.randn(3, 16)
+    assert plain_base(layer.base_layer, x)
+    asked = []
+    monkeypatch.setattr(dispatch, "fused_route", lambda *args: asked.append(1))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(watch, "fsdp_hook", None)
+    try:
+        assert variant.fused_forward(layer, "default", x, layer.base_layer) is None
+        assert watch.fsdp_hook is not None and asked == []
+        assert not plain_base(layer.base_layer, x)
+    finally:
+        if watch.fsdp_hook is not None:
+            watch.fsdp_hook.remove()
 
 
 # ---- On the GPU ----
@@ -183,7 +207,7 @@ def test_gpu_layer_call_matches_peft_in_inference_and_training(ext, monkeypatch)
     x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         y, want = model(x), peft_model(x)
-    assert y.grad_fn is None and dispatch.last_route(model.base_model.model[0], "default")[2] == "native"
+    assert dispatch.last_route(model.base_model.model[0], "default")[2] == "native"
     assert (y.float() - want.float()).norm() <= 1e-2 * want.float().norm()
     dy = torch.randn_like(y)
     (y, _, grads), (want, _, want_grads) = _run(model, x, dy), _run(peft_model, x, dy)

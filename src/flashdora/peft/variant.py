@@ -112,11 +112,13 @@ def fused_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, base:
     one autograd node (``native.bridge.layer``; route ``native/native/native``), or ``None``: the caller runs the
     base layer and ``flash_forward``. Taken where nothing a user could see changes (``support.plain_base``), without
     dropout in training, with ``x`` and the weight already in the matmul dtype: PEFT's cast of ``x`` and of the
-    result are then no-ops."""
-    if not FUSE or not plain_base(base, x) or module.fan_in_fan_out:
-        return None
+    result are then no-ops. Not in a process with a process group: flashdora's FSDP2 watch (a process-wide hook,
+    installed here first, so that a process's first call takes the route of every later one and a checkpoint's
+    recomputation saves what its forward saved) keeps every call on the split path."""
     if watch.fsdp_hook is None:  # (as flash_forward: a process group may have come up since)
         watch.watch_fsdp()
+    if not FUSE or not plain_base(base, x) or module.fan_in_fan_out:
+        return None
     mods = module._modules
     if module.training and not isinstance(mods["lora_dropout"]._modules[active_adapter], nn.Identity):
         return None

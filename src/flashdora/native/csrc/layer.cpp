@@ -28,8 +28,8 @@ namespace {
 using namespace flashdora_native;
 
 struct LayerBackward : public ComposeBackward {
-  SavedVariable x_;
-  at::Tensor weight_, lora_A_;  // (parameters: held, not saved; their versions checked as lora_B's)
+  SavedVariable x_;             // (saved only where lora_A trains: dA alone reads it)
+  at::Tensor weight_, lora_A_;  // (parameters: held, not saved; their versions checked where dx reads them)
   uint32_t w_version_ = 0, a_version_ = 0;
   std::vector<int64_t> x_sizes_;
   c10::ScalarType cd_ = at::kBFloat16;  // the matmul dtype: x's, the weight's, a's
@@ -51,7 +51,7 @@ struct LayerBackward : public ComposeBackward {
     variable_list out(4);  // x, lora_A, lora_B, magnitude
     if (!grads[0].defined()) return out;
     auto [a, inner] = unpack_saved();
-    check_versions();
+    if (should_compute_output(0)) check_versions();  // (dx reads both again; nothing else reads either)
     auto [dy, gdy, d_lx, dm] = kernel(grads[0], inner);
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
     if (should_compute_output(3)) out[3] = dm;
@@ -101,7 +101,7 @@ void hang(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, co
   auto node = make_node<T>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, lora_A, lora_B, magnitude));
   fill_node(*node, a, lora_B, inner, scales, scaling, false);
-  node->x_ = SavedVariable(x, false);
+  if (lora_A.requires_grad()) node->x_ = SavedVariable(x, false);  // (read by dA alone)
   node->x_sizes_ = x.sizes().vec();
   node->weight_ = weight;
   node->w_version_ = weight._version();
