@@ -235,7 +235,7 @@ def test_gpu_layer_call_leaves_the_base_to_its_hooks_and_other_dtypes(ext, monke
         model(x.float())
     assert dispatch.last_route(layer, "default")[2] == "module"
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y = model(x)
+        y = model(x.clone().requires_grad_())  # (dx reads the weight again: its version is checked)
     assert dispatch.last_route(layer, "default")[2] == "native"
     with torch.no_grad():
         layer.base_layer.weight.add_(0.0)
