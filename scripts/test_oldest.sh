@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 VENV=.venv-oldest CONSTRAINTS=scripts/constraints-oldest.txt bash scripts/setup.sh test
 exec .venv-oldest/bin/python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@" \
   tests/test_peft_integration.py tests/ops/test_norm_cache.py tests/test_peft_autocast.py tests/test_examples.py \
-  tests/test_cli.py tests/test_bench.py tests/test_bench_model.py tests/test_report.py tests/test_cache_routes.py \
+  tests/test_cli.py tests/test_bench.py tests/test_bench_model.py tests/test_bench_interleave.py tests/test_report.py \
+  tests/test_cache_routes.py \
   tests/test_cache_crashes.py -k "not test_random_routes"
