@@ -65,6 +65,31 @@ def test_cpu_node_gives_the_split_paths_gradients(ext, dtype, s, bias):
         torch.testing.assert_close(g, ref, rtol=tol, atol=tol, msg=name)
 
 
+def test_cpu_node_with_16_bit_matmuls_and_float32_adapters(ext):
+    """The autocast case's dtypes (bf16 x and weight, float32 adapters, bf16 matmuls): lora_A's and lora_B's gradients
+    come back in float32 (autograd casts the node's bf16 ones) and equal the split path's (the same GEMMs on the same
+    operands); x's within one rounding (its two products added inside one GEMM instead of after)."""
+    x, w, b, _, _, _ = _inputs(torch.bfloat16)
+    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32)
+    scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
+    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        result, a = F.linear(x, w, b), F.linear(x, lora_A.to(torch.bfloat16))
+        y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, torch.bfloat16, True, False)
+    ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5)
+    got = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+    result, a = F.linear(x, w, b), F.linear(x, lora_A.to(torch.bfloat16))
+    ref = C.ComposeFunction.apply(result, a, None, b, lora_B, mag, scales, 0.5, torch.bfloat16, False)
+    want = torch.autograd.grad(ref, (x, lora_A, lora_B, mag), dy)
+    for name, g, r in zip(("x", "lora_A", "lora_B", "magnitude"), got, want, strict=True):
+        assert g.dtype == r.dtype, name
+    assert got[1].dtype == got[2].dtype == torch.float32
+    for name, g, r in zip(("lora_A", "lora_B", "magnitude"), got[1:], want[1:], strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0, msg=name)
+    assert (got[0] - want[0]).float().norm() <= 1e-2 * want[0].float().norm()
+    assert got[0].abs().sum() > 0
+
+
 def test_cpu_node_skips_what_needs_no_gradient_and_checks_versions(ext):
     """An input that needs no gradient gets none (a frozen x, a frozen lora_A); the base weight, lora_A and lora_B
     modified in place between the forward and the backward fail the backward with the tensor's name, as autograd's
