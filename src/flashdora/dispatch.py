@@ -281,6 +281,16 @@ def fallback_reason(base, weight, lora_A, lora_B_layer, lora_B, magnitude, modul
     return why
 
 
+def _record(module, adapters, route: Route) -> Route:
+    """``route``, recorded as the last route of each of ``module``'s ``adapters`` (``last_route``, ``report()``)."""
+    routes = module.__dict__.get("_flashdora_routes")
+    if routes is None:
+        routes = module.__dict__["_flashdora_routes"] = {}
+    for adapter in adapters:
+        routes[adapter] = route
+    return route
+
+
 def layer_route(
     module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, result, base_kind, bias, has_lx_base,
     native: bool,
@@ -299,11 +309,7 @@ def layer_route(
         exact = _F64 in (lora_A.dtype, lora_B.dtype, magnitude.dtype)
         compose = compose_impl(result, bias, has_lx_base, native, exact)
         route = _route(compose, norm_impl(weight, lora_A, lora_B, magnitude, quantized, compose, native), base_kind)
-    routes = module.__dict__.get("_flashdora_routes")
-    if routes is None:
-        routes = module.__dict__["_flashdora_routes"] = {}
-    routes[adapter] = route
-    return route
+    return _record(module, (adapter,), route)
 
 
 def fused_route(module, adapter, base, weight, lora_A, lora_B_layer, lora_B, magnitude, x, bias) -> Route | None:
@@ -319,11 +325,7 @@ def fused_route(module, adapter, base, weight, lora_A, lora_B_layer, lora_B, mag
     if compose_impl(x, bias, False, True) != "native":
         return None
     route = _route("native", "native", "native")
-    routes = module.__dict__.get("_flashdora_routes")
-    if routes is None:
-        routes = module.__dict__["_flashdora_routes"] = {}
-    routes[adapter] = route
-    return route
+    return _record(module, (adapter,), route)
 
 
 def mixed_route(module, adapters, x, base_kind: str, why: str | None) -> Route:
@@ -338,12 +340,7 @@ def mixed_route(module, adapters, x, base_kind: str, why: str | None) -> Route:
         route = _route("mixed-triton", "native" if native_loaded(x) else "triton", base_kind)
     else:
         route = _route("mixed-eager", "eager", base_kind)
-    routes = module.__dict__.get("_flashdora_routes")
-    if routes is None:
-        routes = module.__dict__["_flashdora_routes"] = {}
-    for adapter in adapters:
-        routes[adapter] = route
-    return route
+    return _record(module, adapters, route)
 
 
 def linear_reference_route(x, weight) -> Route | None:

@@ -79,16 +79,22 @@ def global_hooks() -> bool:
     return bool(forward or backward or backward_pre)
 
 
+def _called_differently(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its class's forward: a forward, pre-forward or backward hook of its
+    own, or an instance ``forward``."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or "forward" in module.__dict__
+    )  # fmt: skip
+
+
 def hooked(*modules: nn.Module) -> str | None:
     """The first of ``modules`` that PEFT's DoRA would call with something flashdora would skip: a forward,
     pre-forward or backward hook (``weight_norm``'s legacy form is a pre-forward hook), or a forward other than
     ``nn.Linear``'s (an instance ``forward``, a subclass). Its ``_get_name()``, ``"global"`` for a process-wide
     hook, else ``None``. flashdora reads these modules' weights instead of calling them."""
     for module in modules:
-        if (
-            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks or "forward" in module.__dict__
-        ) and not zero3_hooks_only(module):  # fmt: skip
+        if _called_differently(module) and not zero3_hooks_only(module):
             return module._get_name()
     return "global" if global_hooks() else None
 
@@ -102,9 +108,7 @@ def plain_base(base: nn.Module, x) -> bool:
     where nothing could tell it was not called: a plain ``nn.Linear`` (no subclass, no parametrization, no instance
     ``forward``), no hook on it or process-wide (flashdora's own FSDP2 pre-hook included), no torch function mode,
     its weight (and bias) plain tensors that do not train, ``x`` a plain tensor."""
-    if type(base) is not nn.Linear or type(x) is not torch.Tensor or "forward" in base.__dict__:
-        return False
-    if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
+    if type(base) is not nn.Linear or type(x) is not torch.Tensor or _called_differently(base):
         return False
     if any(_GLOBAL_HOOKS) or _function_mode is None or _function_mode():
         return False

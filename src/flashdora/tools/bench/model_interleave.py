@@ -28,7 +28,7 @@ import torch
 import flashdora
 from flashdora.tools.bench import host, timing
 from flashdora.tools.bench.model_build import prepare, wrap
-from flashdora.tools.bench.model_phases import Feed, base_pass, mode_switch, phase_row, step_fn
+from flashdora.tools.bench.model_phases import SWITCHED, Feed, base_pass, mode_switch, phase_row, step_fn
 
 ORDER = (
     "interleaved: a model per mode, all resident; each timed step runs every mode once, the start rotated step by "
@@ -62,7 +62,7 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
     try:
         for mode, model in models.items():  # each mode's first (cold) step alone, and the paths it took
             fn = step_fn(model, feed, phase, args)
-            if mode in ("flashdora_python", "flashdora_split"):
+            if mode in SWITCHED:
                 fn = _switched(fn, mode)
             fns[mode] = fn
             flashdora.reset_stats()

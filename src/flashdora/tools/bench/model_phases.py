@@ -180,6 +180,9 @@ def _split():
         variant.FUSE = before
 
 
+SWITCHED = ("flashdora_python", "flashdora_split")  # the modes ``mode_switch`` runs under a setting of their own
+
+
 def mode_switch(mode: str):
     """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
     the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
