@@ -83,6 +83,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::kern
   return {dy, gdy, d_lx, dm};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::eager_kernel(
+    const at::Tensor& dy, const at::Tensor& inner) const {
+  const int64_t n = dy.size(-1), t = dy.numel() / n;
+  at::Tensor d32 = dy.to(scales_.scalar_type()).reshape({t, n});
+  at::Tensor gdy = ((gdy_scale_ == 1.0 ? d32 : d32 * gdy_scale_) * scales_.select(0, 0)).to(dy.scalar_type());
+  gdy = gdy.view(dy.sizes());
+  at::Tensor d_lx = lx_base_ ? (d32 * scales_.select(0, 1)).to(dy.scalar_type()).view(dy.sizes()) : gdy;
+  at::Tensor dm = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
+  return {dy, gdy, d_lx, dm};
+}
+
 at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type) const {
   at::Tensor b = lora_B_.scalar_type() == type ? lora_B_ : lora_B_.to(type);
   return alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
@@ -299,30 +310,9 @@ void register_backward(const at::Tensor& result, const at::Tensor& scales, int64
 
 // The same node's math in ATen, no kernel: a CPU test of the node's wiring (tests/ops/test_native.py).
 struct EagerComposeBackward : public ComposeBackward {
-  variable_list apply(variable_list&& grads) override {
-    variable_list out(lx_base_ ? 5 : 4);
-    if (!grads[0].defined()) return out;
-    auto [a, inner] = unpack_saved();
-    at::Tensor dy = grads[0];
-    const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
-    at::Tensor d32 = dy.to(scales_.scalar_type()).reshape({t, n});
-    at::Tensor gdy = ((gdy_scale_ == 1.0 ? d32 : d32 * gdy_scale_) * scales_.select(0, 0)).to(dy.scalar_type());
-    gdy = gdy.view(dy.sizes());
-    if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
-    if (lx_base_ && should_compute_output(4)) {
-      out[4] = (d32 * scales_.select(0, 1)).to(dy.scalar_type()).view(dy.sizes());
-    }
-    if (should_compute_output(3)) {
-      out[3] = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
-    }
-    at::Tensor gdy2 = gdy.reshape({t, n}).to(a.scalar_type());
-    const at::Tensor zero = zero_like(a);  // s on the GEMMs' alpha, as the CUDA node and ops/compose_fn.py `_mm`
-    auto mm = [&](const at::Tensor& p, const at::Tensor& q) {
-      return alpha_ == 1.0 ? at::mm(p, q) : at::addmm(zero, p, q, 0, alpha_);
-    };
-    if (should_compute_output(2)) out[2] = mm(gdy2.t(), a.reshape({t, r}));
-    if (should_compute_output(1)) out[1] = mm(gdy2, lora_B_.to(a.scalar_type())).view(a.sizes());
-    return out;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& grad,
+                                                                    const at::Tensor& inner) override {
+    return eager_kernel(grad, inner);
   }
 };
 

@@ -60,6 +60,9 @@ struct ComposeBackward : public Node {
   // tests' twins compute the same in ATen.
   virtual std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& grad,
                                                                             const at::Tensor& inner);
+  // The same in ATen (the CPU tests' twins override `kernel` with it).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eager_kernel(const at::Tensor& grad,
+                                                                          const at::Tensor& inner) const;
   // s gdy B, [T, r] in a's dtype (gdy2: [T, n] in a's dtype).
   at::Tensor d_a(const at::Tensor& gdy2, c10::ScalarType type) const;
   variable_list apply(variable_list&& grads) override;

@@ -85,11 +85,7 @@ struct LayerBackward : public ComposeBackward {
 struct EagerLayerBackward : public LayerBackward {
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& grad,
                                                                     const at::Tensor& inner) override {
-    const int64_t n = grad.size(-1), t = grad.numel() / n;
-    at::Tensor d32 = grad.to(scales_.scalar_type()).reshape({t, n});
-    at::Tensor gdy = (d32 * scales_.select(0, 0)).to(grad.scalar_type()).view(grad.sizes());
-    at::Tensor dm = (d32 * inner.to(scales_.scalar_type()).reshape({t, n})).sum(0) * scales_.select(0, 2);
-    return {grad, gdy, gdy, dm};
+    return eager_kernel(grad, inner);
   }
 };
 
