@@ -181,6 +181,12 @@ def _empty_rows(t: torch.Tensor) -> torch.Tensor:
 CAST_B_FIRST = 8 * 2**20
 
 
+def cast_b_first(lora_B: torch.Tensor) -> bool:
+    """Whether the fused forward gets ``lora_B`` cast to the matmul dtype in one pass first, rather than in its
+    registers (``native/csrc/compose.h`` ``cast_b_first`` is its C++ twin)."""
+    return lora_B.numel() >= CAST_B_FIRST
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(a // -b)  # (``triton.cdiv`` is a ConstexprFunction in recent Triton: several Python calls on the host)
 

@@ -26,6 +26,12 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kCastBFirst = 8 * (1 << 20);  // kernels/compose.py CAST_B_FIRST (tests/ops/test_native.py checks)
 
+// kernels/compose.py `cast_b_first`: the fused forward gets lora_B cast to the matmul dtype `cd` in one pass first,
+// rather than in its registers.
+inline bool cast_b_first(const at::Tensor& lora_B, c10::ScalarType cd) {
+  return lora_B.numel() >= kCastBFirst && lora_B.scalar_type() != cd;
+}
+
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>
 auto make_node() {
