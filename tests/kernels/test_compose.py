@@ -168,10 +168,13 @@ def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisone
 )
 @pytest.mark.parametrize("dtype, a_dtype", DTYPES)
 @pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
-def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, device, poisoned_empty):
+@pytest.mark.parametrize("b_cast", [False, True], ids=["fp32_B", "B_as_a"])  # (each takes its own tile on a GPU)
+def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, b_cast, device, poisoned_empty):
     result = torch.randn(*lead, d_out, device=device, dtype=dtype)
     a = torch.randn(*lead, r, device=device, dtype=a_dtype)
     lora_B = torch.randn(d_out, r, device=device) / r**0.5
+    if b_cast:
+        lora_B = lora_B.to(a_dtype)
     lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
     bias = torch.randn(d_out, device=device, dtype=dtype)
     g, gm1 = _scales(d_out, device)

@@ -128,6 +128,7 @@ def test_large_lora_B_cast_first_gives_the_same_bits(with_lora_x, device, monkey
     runs = []
     for threshold in (2**40, 0):  # never cast first, always cast first
         monkeypatch.setattr(kc, "CAST_B_FIRST", threshold)
+        monkeypatch.setattr(kc, "CAST_B_TOKENS", 2**40)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             runs.append(_run(dora_linear, i, lora_x, dy))
     (out0, grads0), (out1, grads1) = runs
@@ -345,3 +346,24 @@ def test_dora_linear_on_meta_tensors_gives_shapes(lora_x):
     out = dora_linear(x, i["weight"], i["bias"], i["lora_A"], i["lora_B"], i["magnitude"], 0.5,
                       lora_x=torch.empty_like(x) if lora_x else None)  # fmt: skip
     assert out.device.type == "meta" and out.shape == (3, 5, 8) and out.dtype == x.dtype
+
+
+def test_cast_b_first_by_size_and_by_tokens():
+    """lora_B is cast before the fused forward when it is large, or when many tokens re-read it at a rank above the
+    small-rank tile's; the fused kernel's tile follows the operand it then gets (``configs.prune_fused``)."""
+    from flashdora.kernels import compose as kc
+    from flashdora.kernels import configs
+
+    few, many = kc.CAST_B_TOKENS - 1, kc.CAST_B_TOKENS
+    r_big, r_small = configs.FUSED_SMALL_R + 1, configs.FUSED_SMALL_R
+    assert not kc.cast_b_first(torch.empty(4096, r_big), few)
+    assert kc.cast_b_first(torch.empty(4096, r_big), many)
+    assert not kc.cast_b_first(torch.empty(4096, r_small), many)
+    assert kc.cast_b_first(torch.empty(kc.CAST_B_FIRST // r_small, r_small), 1)
+
+    tiles = ["fp32 lora_B", "16-bit lora_B", "small r"]  # the roles of COMPOSE_FUSED's three GPU configs, in order
+    a16, b32, b16 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.bfloat16)
+    for r, b, want in [(r_big, b32, 0), (r_big, b16, 1), (r_small, b32, 2), (r_small, b16, 2)]:
+        got = configs.prune_fused(tiles, {"R": r, "p_a": a16, "p_lora_B": b})
+        assert got[0] == tiles[want] and sorted(got) == sorted(tiles), (r, b.dtype)
+    assert configs.prune_fused(["one"], {"R": r_big, "p_a": a16, "p_lora_B": b32}) == ["one"]

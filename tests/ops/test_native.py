@@ -310,10 +310,11 @@ def test_gpu_cpp_forward_runs_the_base_layers_backward_first(ext, monkeypatch):
 
 
 def test_the_cpp_constants_match_the_python_ones():
-    """The C++ side mirrors three constants of the Python side (its source compiles them in): they agree."""
+    """The C++ side mirrors five constants of the Python side (its source compiles them in): they agree."""
     import re
 
     from flashdora.kernels import compose as kc
+    from flashdora.kernels import configs
     from flashdora.kernels import norm_gemm, scales
     from flashdora.native.build import CSRC
 
@@ -322,5 +323,7 @@ def test_the_cpp_constants_match_the_python_ones():
         return eval(expr, {})  # (integer arithmetic: "8 * (1 << 20)")
 
     assert cpp("kCastBFirst", "compose.h") == kc.CAST_B_FIRST
+    assert cpp("kCastBTokens", "compose.h") == kc.CAST_B_TOKENS
+    assert cpp("kFusedSmallR", "compose.h") == configs.FUSED_SMALL_R
     assert cpp("kChunkElements", "norm.cpp") == norm_gemm._CHUNK_ELEMENTS
     assert cpp("kScalesBlock", "norm.cpp") == scales.SCALES_BLOCK

@@ -75,7 +75,12 @@ def _compose_fwd_kernel(
     )  # fmt: skip
 
 
-@triton.autotune(configs=configs.COMPOSE_FUSED, key=["N", "R"], do_bench=configs.bench)
+@triton.autotune(
+    configs=configs.COMPOSE_FUSED,
+    key=["N", "R"],
+    prune_configs_by={"early_config_prune": configs.prune_fused},
+    do_bench=configs.bench,
+)
 @triton.jit(do_not_specialize=["T"])
 def _compose_fused_fwd_kernel(
     p_result, p_a, p_lora_B, p_lx_base, p_bias, p_scales, p_y, p_inner,
@@ -179,12 +184,16 @@ def _empty_rows(t: torch.Tensor) -> torch.Tensor:
 # the kernel's registers: past it the GPU time saved outweighs one more launch (docs/host-notes.md;
 # native/csrc/compose.h takes it at load: ``kCastBFirst``).
 CAST_B_FIRST = 8 * 2**20
+# Tokens per call from which lora_B is cast first at any size (above the small-rank tile's ranks): each of the
+# kernel's row tiles re-reads its columns of lora_B, so past a few row tiles the float32 reads cost more than one cast
+# pass, and the 16-bit operand takes the faster tile (configs.prune_fused; docs/kernels.md).
+CAST_B_TOKENS = 4096
 
 
-def cast_b_first(lora_B: torch.Tensor) -> bool:
-    """Whether the fused forward gets ``lora_B`` cast to the matmul dtype in one pass first, rather than in its
-    registers (``native/csrc/compose.h`` ``cast_b_first`` is its C++ twin)."""
-    return lora_B.numel() >= CAST_B_FIRST
+def cast_b_first(lora_B: torch.Tensor, t: int) -> bool:
+    """Whether the fused forward over ``t`` tokens gets ``lora_B`` cast to the matmul dtype in one pass first,
+    rather than in its registers (``native/csrc/compose.h`` ``cast_b_first`` is its C++ twin)."""
+    return lora_B.numel() >= CAST_B_FIRST or (t >= CAST_B_TOKENS and lora_B.shape[-1] > configs.FUSED_SMALL_R)
 
 
 def _cdiv(a: int, b: int) -> int:

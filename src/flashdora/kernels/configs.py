@@ -39,14 +39,30 @@ COMPOSE_FWD = _pick(
 # Every list below is short on purpose: a fresh machine compiles every config of every kernel in the first step,
 # and the kernels here are a few percent of a step, so a config a little off the best costs less than the compile of
 # one more (docs/design.md, "Cold start"; docs/host-notes.md).
-# Compose with the LoRA B matmul inside (K = r): GEMM tiles; key ["N", "R"].
+# Compose with the LoRA B matmul inside (K = r): GEMM tiles; key ["N", "R"] and the operands' dtypes. One tile per
+# operand kind (``prune_fused``), each the fastest of an H100 sweep at 8B shapes (docs/kernels.md).
 COMPOSE_FUSED = _pick(
     [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),  # fp32 lora_B
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),  # 16-bit lora_B
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=4, num_stages=3),  # r <= 32
     ],
     triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
+FUSED_SMALL_R = 32  # up to this rank, the small-rank tile
+
+
+def prune_fused(configs, named_args, **kwargs):
+    """The fused compose's tile for this call first (the others stay for ``FLASHDORA_AUTOTUNE=1`` to time): the
+    small-rank tile up to ``FUSED_SMALL_R``; above it, the 16-bit tile when ``lora_B`` arrives in ``a``'s dtype (cast
+    first), else the float32 one (cast in registers). The launch key holds ``r`` and both dtypes."""
+    if len(configs) == 1:
+        return configs
+    if named_args["R"] <= FUSED_SMALL_R:
+        pick = 2
+    else:
+        pick = 1 if named_args["p_lora_B"].dtype == named_args["p_a"].dtype else 0
+    return [configs[pick], *(c for i, c in enumerate(configs) if i != pick)]
 
 # Mixed-adapter compose (kernels/mixed.py): the fused form's GEMM tiles over [tokens, d_out], K = summed ranks;
 # decoding has few tokens (BLOCK_M 16), prefill many (BLOCK_M 64: ``prune_mixed``); key ["N", "R"].

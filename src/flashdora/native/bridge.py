@@ -79,7 +79,7 @@ def prime(mod, result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base
         return False
     with torch.no_grad():
         a = result.new_zeros((t, lora_A.shape[0]), dtype=cd)  # stands in for x A^T: plans read dtypes and alignment
-        b = cast(lora_B, cd) if kc.cast_b_first(lora_B) else lora_B
+        b = cast(lora_B, cd) if kc.cast_b_first(lora_B, t) else lora_B
         fwd = plans.compose_fwd(result, a, b, scales, scaling, bias, train, lx_base)
         if fwd is None:  # compile (and tune) the forward kernel: outputs discarded
             kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=train)

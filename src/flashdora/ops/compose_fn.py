@@ -92,9 +92,10 @@ def _fwd(result, a, lx_base, bias, lora_B, scales, scaling, compute_dtype, save_
     if triton:  # the LoRA B matmul runs inside the compose kernel, never written
         backend.count("triton")
         kc = _kc or _import_kernels()
-        # A float32 lora_B is cast in the kernel's registers, except a large one: cast first, in one pass, where the
-        # GPU time saved outweighs the extra launch's host time.
-        b = _cast(lora_B, compute_dtype) if kc.cast_b_first(lora_B) else lora_B
+        # A float32 lora_B is cast in the kernel's registers, except a large one or one many tokens re-read: cast
+        # first, in one pass, where the GPU time saved outweighs the extra launch's host time.
+        t = a.numel() // a.shape[-1] if a.shape[-1] else 0
+        b = _cast(lora_B, compute_dtype) if kc.cast_b_first(lora_B, t) else lora_B
         return kc.compose_fwd_fused(result, a, b, scales, scaling, bias, lx_base, save_inner=save_inner)
     backend.count("eager")
     g, gm1, _ = scales.unbind(0)

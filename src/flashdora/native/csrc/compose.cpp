@@ -249,7 +249,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   const auto device_type = result.device().type();
   const bool autocast = at::autocast::is_autocast_enabled(device_type);
   const c10::ScalarType cd = autocast ? at::autocast::get_autocast_dtype(device_type) : lora_A.scalar_type();
-  const bool cast_b = cast_b_first(lora_B, cd);
+  const bool cast_b = cast_b_first(lora_B, t, cd);
   if (!cast_b && !aligned(lora_B)) return py::none();
   at::Tensor bias_c;
   if (bias) {

@@ -138,7 +138,7 @@ py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const st
     bias_c = bias->contiguous();
     if (!aligned(bias_c)) return py::none();
   }
-  const bool cast_b = cast_b_first(lora_B, cd);
+  const bool cast_b = cast_b_first(lora_B, t, cd);
   if (!cast_b && !aligned(lora_B)) return py::none();
   const Plan *fwd = nullptr, *bwd = nullptr;
   switch (compose_plans(x.get_device(), t, n, cd, r, cd, lora_B, cast_b, scales, bias, train, std::nullopt, &fwd,
