@@ -189,6 +189,27 @@ def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, b_cast, 
     assert no_inner is None and torch.equal(out_y2, out_y)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [16, 384])
+def test_compose_fwd_fused_lora_B_cast_first_or_in_registers(r, poisoned_empty):
+    """A float32 ``lora_B`` (cast in registers) and the same ``lora_B`` cast to bf16 first take different tiles above
+    r = 32 (``configs.prune_fused``) but round the same operands: the outputs agree to bf16 rounding, against float64
+    too, at a token count where the layers cast first (``CAST_B_TOKENS``)."""
+    kc = _kernels()
+    t, n = kc.CAST_B_TOKENS, 1024
+    result = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
+    lora_B = torch.randn(n, r, device="cuda") / r**0.5
+    g, gm1 = _scales(n, "cuda")
+    y32, inner32 = kc.compose_fwd_fused(result, a, lora_B, torch.stack([g, gm1]), 0.7)
+    y16, inner16 = kc.compose_fwd_fused(result, a, lora_B.bfloat16(), torch.stack([g, gm1]), 0.7)
+    ref_y, ref_inner = _ref_fwd(result, a.double() @ lora_B.bfloat16().double().T, g, gm1, 0.7, None, None)
+    for y, inner in ((y32, inner32), (y16, inner16)):
+        assert_close(y, ref_y, RTOL[torch.bfloat16], "y")
+        assert_close(inner, ref_inner, RTOL[torch.bfloat16], "inner")
+    assert_close(y16, y32.double(), RTOL[torch.bfloat16], "y, cast first vs in registers")
+
+
 def _grads(monkeypatch, backend, inputs, lora_x):
     monkeypatch.setenv("FLASHDORA_BACKEND", backend)
     from flashdora import dora_linear
