@@ -314,8 +314,7 @@ def test_the_cpp_constants_match_the_python_ones():
     import re
 
     from flashdora.kernels import compose as kc
-    from flashdora.kernels import configs
-    from flashdora.kernels import norm_gemm, scales
+    from flashdora.kernels import configs, norm_gemm, scales
     from flashdora.native.build import CSRC
 
     def cpp(name, file):

@@ -64,6 +64,7 @@ def prune_fused(configs, named_args, **kwargs):
         pick = 1 if named_args["p_lora_B"].dtype == named_args["p_a"].dtype else 0
     return [configs[pick], *(c for i, c in enumerate(configs) if i != pick)]
 
+
 # Mixed-adapter compose (kernels/mixed.py): the fused form's GEMM tiles over [tokens, d_out], K = summed ranks;
 # decoding has few tokens (BLOCK_M 16), prefill many (BLOCK_M 64: ``prune_mixed``); key ["N", "R"].
 MIXED_FWD = _pick(
