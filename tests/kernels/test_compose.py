@@ -166,15 +166,22 @@ def test_compose_bwd(lead, d_out, dtype, has_lx_base, has_inner, device, poisone
         pytest.param((2, 2047), 11008, 384, id="2x2047x11008-r384", marks=pytest.mark.gpu),
     ],
 )
-@pytest.mark.parametrize("dtype, a_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "dtype, a_dtype, b_dtype",
+    [
+        pytest.param(torch.float32, torch.float32, torch.float32, id="fp32"),
+        pytest.param(torch.bfloat16, torch.float32, torch.float32, id="bf16-lora_fp32"),
+        pytest.param(torch.float16, torch.float16, torch.float32, id="fp16"),
+        pytest.param(torch.bfloat16, torch.bfloat16, torch.float32, id="bf16-fp32_B"),  # autocast, fp32 adapters
+        pytest.param(torch.bfloat16, torch.bfloat16, torch.bfloat16, id="bf16-bf16_B"),  # lora_B cast first
+        pytest.param(torch.float16, torch.float16, torch.float16, id="fp16-fp16_B"),
+    ],
+)
 @pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
-@pytest.mark.parametrize("b_cast", [False, True], ids=["fp32_B", "B_as_a"])  # (each takes its own tile on a GPU)
-def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, b_cast, device, poisoned_empty):
+def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, b_dtype, has_lx_base, device, poisoned_empty):
     result = torch.randn(*lead, d_out, device=device, dtype=dtype)
     a = torch.randn(*lead, r, device=device, dtype=a_dtype)
-    lora_B = torch.randn(d_out, r, device=device) / r**0.5
-    if b_cast:
-        lora_B = lora_B.to(a_dtype)
+    lora_B = (torch.randn(d_out, r, device=device) / r**0.5).to(b_dtype)
     lx_base = torch.randn(*lead, d_out, device=device, dtype=dtype) if has_lx_base else None
     bias = torch.randn(d_out, device=device, dtype=dtype)
     g, gm1 = _scales(d_out, device)
@@ -189,12 +196,40 @@ def test_compose_fwd_fused(lead, d_out, r, dtype, a_dtype, has_lx_base, b_cast, 
     assert no_inner is None and torch.equal(out_y2, out_y)
 
 
+@pytest.mark.parametrize(
+    "r, a_dtype, b_dtype",
+    [
+        (48, torch.bfloat16, torch.float32),
+        (48, torch.bfloat16, torch.bfloat16),
+        (48, torch.float32, torch.float32),
+        (16, torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compose_fwd_fused_runs_the_tile_its_pruning_puts_first(r, a_dtype, b_dtype, dev):
+    """The launch runs, and files under its key, the config ``configs.prune_fused`` puts first for the call's rank and
+    dtypes (on the CPU the interpreter's one config: the key's wiring; on a GPU the tile itself)."""
+    from flashdora.kernels import configs, launcher
+
+    kc = _kernels()
+    result = torch.randn(64, 96, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(64, r, device=dev, dtype=a_dtype)
+    lora_B = torch.randn(96, r, device=dev).to(b_dtype)
+    scales = torch.stack(_scales(96, dev))
+    kc.compose_fwd_fused(result, a, lora_B, scales, 0.5)
+    *_, (key, args, _flags) = kc._fused_call(result, a, lora_B, scales, 0.5, None, None, True)
+    kernel = kc._compose_fused_fwd_kernel
+    ran, _ = launcher._TUNED[(id(kernel), key)]
+    want = configs.prune_fused(kernel.configs, dict(zip(kernel.arg_names, args)))[0]
+    assert ran == want.all_kwargs()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("r", [16, 384])
 def test_compose_fwd_fused_lora_B_cast_first_or_in_registers(r, poisoned_empty):
-    """A float32 ``lora_B`` (cast in registers) and the same ``lora_B`` cast to bf16 first take different tiles above
-    r = 32 (``configs.prune_fused``) but round the same operands: the outputs agree to bf16 rounding, against float64
-    too, at a token count where the layers cast first (``CAST_B_TOKENS``)."""
+    """A float32 ``lora_B`` (cast in registers) and the same ``lora_B`` cast to bf16 first (above r = 32 another
+    tile: ``configs.prune_fused``) round the same operands: the outputs agree to bf16 rounding, against float64 too,
+    at a token count where the layers cast first (``CAST_B_TOKENS``)."""
     kc = _kernels()
     t, n = kc.CAST_B_TOKENS, 1024
     result = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)

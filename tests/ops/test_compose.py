@@ -362,8 +362,10 @@ def test_cast_b_first_by_size_and_by_tokens():
     assert kc.cast_b_first(torch.empty(kc.CAST_B_FIRST // r_small, r_small), 1)
 
     tiles = ["fp32 lora_B", "16-bit lora_B", "small r"]  # the roles of COMPOSE_FUSED's three GPU configs, in order
-    a16, b32, b16 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.bfloat16)
-    for r, b, want in [(r_big, b32, 0), (r_big, b16, 1), (r_small, b32, 2), (r_small, b16, 2)]:
-        got = configs.prune_fused(tiles, {"R": r, "p_a": a16, "p_lora_B": b})
-        assert got[0] == tiles[want] and sorted(got) == sorted(tiles), (r, b.dtype)
-    assert configs.prune_fused(["one"], {"R": r_big, "p_a": a16, "p_lora_B": b32}) == ["one"]
+    f32, bf16, f16 = torch.empty(1), torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.float16)
+    cases = [(r_big, bf16, f32, 0), (r_big, bf16, bf16, 1), (r_big, f16, f16, 1), (r_big, f32, f32, 0)]
+    cases += [(r_big, f16, bf16, 0), (r_small, bf16, f32, 2), (r_small, bf16, bf16, 2), (r_small, f32, f32, 2)]
+    for r, a, b, want in cases:
+        got = configs.prune_fused(tiles, {"R": r, "p_a": a, "p_lora_B": b})
+        assert got[0] == tiles[want] and sorted(got) == sorted(tiles), (r, a.dtype, b.dtype)
+    assert configs.prune_fused(["one"], {"R": r_big, "p_a": bf16, "p_lora_B": f32}) == ["one"]
