@@ -85,3 +85,26 @@ def test_cli_build_builds_ahead(fake_cpp, capsys):
     assert main(["build"]) == 0
     out = capsys.readouterr()
     assert len(fake_cpp) == 1 and native.name() in out.out
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed_and_a_live_one_is_named(fake_cpp, tmp_path, capsys):
+    """A build stopped midway leaves torch's lock behind, on which every later build would wait forever: an old one
+    is removed (with a line saying so) before building; a recent one (another process's build) is named, with what to
+    do if no such build runs."""
+    import os
+    import time
+
+    folder = tmp_path / native.name()
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.write_text("")
+    old = time.time() - build.LOCK_STALE_S - 60
+    os.utime(lock, (old, old))
+    assert native.load() is not None and not lock.exists() and len(fake_cpp) == 1
+    assert f"removing {lock}, left 11 min ago by a build that was stopped" in capsys.readouterr().err
+
+    native.reset()
+    (folder / f"{native.name()}.so").unlink()
+    lock.write_text("")  # fresh: another process is building
+    assert native.load() is not None and lock.exists() and len(fake_cpp) == 2  # (the fake build does not wait)
+    assert f"waiting for another process's build of {native.name()} ({lock}; if none runs" in capsys.readouterr().err

@@ -84,6 +84,7 @@ def load(build: bool = True):
             file=sys.stderr,
             flush=True,
         )
+        _stopped_build(path)
     t0 = time.perf_counter()
     _module = _compile(path)
     _state = "loaded" if _module is not None else "failed"
@@ -91,6 +92,30 @@ def load(build: bool = True):
         seconds = time.perf_counter() - t0
         print(f"flashdora: built {name()} in {seconds:.1f} s", file=sys.stderr, flush=True)
     return _module
+
+
+LOCK_STALE_S = 600  # a build's lock older than this (a build takes a minute or two) is one a stopped build left
+
+
+def _stopped_build(path: Path) -> None:
+    """torch's build lock (``path / "lock"``, ``cpp_extension``'s ``FileBaton``) outlives a build stopped midway (an
+    interrupt, a killed job), and every later build waits on it forever. One older than ``LOCK_STALE_S`` is removed,
+    saying so; a younger one is another process's build: say what this process waits for, and how to end the wait."""
+    lock = path / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > LOCK_STALE_S:
+        print(f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped", file=sys.stderr)
+        lock.unlink(missing_ok=True)
+    else:
+        print(
+            f"flashdora: waiting for another process's build of {name()} ({lock}; if none runs, one was stopped "
+            "midway: delete that file)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _compile(path: Path):
