@@ -107,7 +107,11 @@ def _stopped_build(path: Path) -> None:
     except OSError:
         return
     if age > LOCK_STALE_S:
-        print(f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped", file=sys.stderr)
+        print(
+            f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped",
+            file=sys.stderr,
+            flush=True,
+        )
         lock.unlink(missing_ok=True)
     else:
         print(
