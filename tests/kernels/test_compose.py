@@ -229,9 +229,10 @@ def test_compose_fwd_fused_runs_the_tile_its_pruning_puts_first(r, a_dtype, b_dt
 def test_compose_fwd_fused_lora_B_cast_first_or_in_registers(r, poisoned_empty):
     """A float32 ``lora_B`` (cast in registers) and the same ``lora_B`` cast to bf16 first (above r = 32 another
     tile: ``configs.prune_fused``) round the same operands: the outputs agree to bf16 rounding, against float64 too,
-    at a token count where the layers cast first (``CAST_B_TOKENS``)."""
+    at a token count where the layers cast first at r = 384 (``CAST_B_WORK``)."""
     kc = _kernels()
-    t, n = kc.CAST_B_TOKENS, 1024
+    n = 1024
+    t = -(kc.CAST_B_WORK // -(n * 384))
     result = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
     lora_B = torch.randn(n, r, device="cuda") / r**0.5

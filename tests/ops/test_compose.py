@@ -128,7 +128,7 @@ def test_large_lora_B_cast_first_gives_the_same_bits(with_lora_x, device, monkey
     runs = []
     for threshold in (2**40, 0):  # never cast first, always cast first
         monkeypatch.setattr(kc, "CAST_B_FIRST", threshold)
-        monkeypatch.setattr(kc, "CAST_B_TOKENS", 2**40)
+        monkeypatch.setattr(kc, "CAST_B_WORK", 2**62)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             runs.append(_run(dora_linear, i, lora_x, dy))
     (out0, grads0), (out1, grads1) = runs
@@ -349,16 +349,22 @@ def test_dora_linear_on_meta_tensors_gives_shapes(lora_x):
 
 
 def test_cast_b_first_by_size_and_by_tokens():
-    """lora_B is cast before the fused forward when it is large, or when many tokens re-read it at a rank above the
-    small-rank tile's; the fused kernel's tile follows the operand it then gets (``configs.prune_fused``)."""
+    """lora_B is cast before the fused forward when it is large, or when tokens x its elements (each row tile re-reads
+    it) pass ``CAST_B_WORK`` at a rank above the small-rank tile's; the fused kernel's tile follows the operand it then
+    gets (``configs.prune_fused``)."""
     from flashdora.kernels import compose as kc
     from flashdora.kernels import configs
 
-    few, many = kc.CAST_B_TOKENS - 1, kc.CAST_B_TOKENS
     r_big, r_small = configs.FUSED_SMALL_R + 1, configs.FUSED_SMALL_R
-    assert not kc.cast_b_first(torch.empty(4096, r_big), few)
+    many = kc.CAST_B_WORK // (4096 * r_big) + 1  # tokens from which a [4096, r_big] lora_B is cast first
+    assert 4096 * r_big * (many - 1) < kc.CAST_B_WORK <= 4096 * r_big * many
+    assert not kc.cast_b_first(torch.empty(4096, r_big), many - 1)
     assert kc.cast_b_first(torch.empty(4096, r_big), many)
-    assert not kc.cast_b_first(torch.empty(4096, r_small), many)
+    assert kc.cast_b_first(torch.empty(8192, r_big), many // 2 + 1)  # twice the rows: half the tokens
+    assert not kc.cast_b_first(torch.empty(4096, r_small), 2 * many)
+    # the 8B model's shapes at r = 384: gate/up (d_out 14336) from 2048 tokens a call, q/o (4096) from 4096
+    assert kc.cast_b_first(torch.empty(14336, 384), 2048) and not kc.cast_b_first(torch.empty(14336, 384), 512)
+    assert kc.cast_b_first(torch.empty(4096, 384), 4096) and not kc.cast_b_first(torch.empty(4096, 384), 2048)
     assert kc.cast_b_first(torch.empty(kc.CAST_B_FIRST // r_small, r_small), 1)
 
     tiles = ["fp32 lora_B", "16-bit lora_B", "small r"]  # the roles of COMPOSE_FUSED's three GPU configs, in order

@@ -184,16 +184,17 @@ def _empty_rows(t: torch.Tensor) -> torch.Tensor:
 # the kernel's registers: past it the GPU time saved outweighs one more launch (docs/host-notes.md;
 # native/csrc/compose.h takes it at load: ``kCastBFirst``).
 CAST_B_FIRST = 8 * 2**20
-# Tokens per call from which lora_B is cast first at any size (above the small-rank tile's ranks): each of the
-# kernel's row tiles re-reads its columns of lora_B, so past a few row tiles the float32 reads cost more than one cast
-# pass, and the 16-bit operand takes the faster tile (configs.prune_fused; docs/kernels.md).
-CAST_B_TOKENS = 4096
+# Tokens x elements of lora_B from which it is cast first at any size (above the small-rank tile's ranks): each of
+# the kernel's row tiles re-reads its columns of lora_B, so past a few row tiles the float32 reads cost more than one
+# cast pass, and the 16-bit operand takes the faster tile (configs.prune_fused; docs/kernels.md, "Tiles").
+CAST_B_WORK = 2**32
 
 
 def cast_b_first(lora_B: torch.Tensor, t: int) -> bool:
     """Whether the fused forward over ``t`` tokens gets ``lora_B`` cast to the matmul dtype in one pass first,
     rather than in its registers (``native/csrc/compose.h`` ``cast_b_first`` is its C++ twin)."""
-    return lora_B.numel() >= CAST_B_FIRST or (t >= CAST_B_TOKENS and lora_B.shape[-1] > configs.FUSED_SMALL_R)
+    n = lora_B.numel()
+    return n >= CAST_B_FIRST or (t * n >= CAST_B_WORK and lora_B.shape[-1] > configs.FUSED_SMALL_R)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -24,16 +24,16 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-// kernels/compose.py CAST_B_FIRST, CAST_B_TOKENS and kernels/configs.py FUSED_SMALL_R (tests/ops/test_native.py checks)
+// kernels/compose.py CAST_B_FIRST, CAST_B_WORK and kernels/configs.py FUSED_SMALL_R (tests/ops/test_native.py checks)
 constexpr int64_t kCastBFirst = 8 * (1 << 20);
-constexpr int64_t kCastBTokens = 4096;
+constexpr int64_t kCastBWork = int64_t{1} << 32;
 constexpr int64_t kFusedSmallR = 32;
 
 // kernels/compose.py `cast_b_first`: the fused forward over `t` tokens gets lora_B cast to the matmul dtype `cd` in
 // one pass first, rather than in its registers.
 inline bool cast_b_first(const at::Tensor& lora_B, int64_t t, c10::ScalarType cd) {
   return lora_B.scalar_type() != cd &&
-         (lora_B.numel() >= kCastBFirst || (t >= kCastBTokens && lora_B.size(-1) > kFusedSmallR));
+         (lora_B.numel() >= kCastBFirst || (t * lora_B.numel() >= kCastBWork && lora_B.size(-1) > kFusedSmallR));
 }
 
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
