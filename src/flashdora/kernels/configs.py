@@ -55,8 +55,8 @@ FUSED_SMALL_R = 32  # up to this rank, the small-rank tile
 def prune_fused(configs, named_args, **kwargs):
     """The fused compose's tile for this call first (the others stay for ``FLASHDORA_AUTOTUNE=1`` to time): the
     small-rank tile up to ``FUSED_SMALL_R``; above it, the 16-bit tile when ``lora_B`` arrives in ``a``'s 16-bit
-    dtype (cast first), else the float32 one (a float32 ``lora_B`` cast in registers, or float32 operands, whose
-    four-stage 16-bit tile would need more shared memory than some GPUs have). The launch key holds ``r`` and both
+    dtype (cast first), else the float32 one (a float32 ``lora_B`` cast in registers, or float32 operands: the
+    16-bit tile's operand ring is sized for 2-byte elements). The launch key holds ``r`` and both
     dtypes."""
     if len(configs) == 1:
         return configs
