@@ -232,7 +232,7 @@ def test_compose_fwd_fused_lora_B_cast_first_or_in_registers(r, poisoned_empty):
     at a token count where the layers cast first at r = 384 (``CAST_B_WORK``)."""
     kc = _kernels()
     n = 1024
-    t = -(kc.CAST_B_WORK // -(n * 384))
+    t = kc._cdiv(kc.CAST_B_WORK, n * 384)
     result = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(t, r, device="cuda", dtype=torch.bfloat16)
     lora_B = torch.randn(n, r, device="cuda") / r**0.5

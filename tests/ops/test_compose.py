@@ -348,7 +348,7 @@ def test_dora_linear_on_meta_tensors_gives_shapes(lora_x):
     assert out.device.type == "meta" and out.shape == (3, 5, 8) and out.dtype == x.dtype
 
 
-def test_cast_b_first_by_size_and_by_tokens():
+def test_cast_b_first_by_size_and_by_work():
     """lora_B is cast before the fused forward when it is large, or when tokens x its elements (each row tile re-reads
     it) pass ``CAST_B_WORK`` at a rank above the small-rank tile's; the fused kernel's tile follows the operand it then
     gets (``configs.prune_fused``)."""
@@ -356,7 +356,7 @@ def test_cast_b_first_by_size_and_by_tokens():
     from flashdora.kernels import configs
 
     r_big, r_small = configs.FUSED_SMALL_R + 1, configs.FUSED_SMALL_R
-    many = kc.CAST_B_WORK // (4096 * r_big) + 1  # tokens from which a [4096, r_big] lora_B is cast first
+    many = kc._cdiv(kc.CAST_B_WORK, 4096 * r_big)  # tokens from which a [4096, r_big] lora_B is cast first
     assert 4096 * r_big * (many - 1) < kc.CAST_B_WORK <= 4096 * r_big * many
     assert not kc.cast_b_first(torch.empty(4096, r_big), many - 1)
     assert kc.cast_b_first(torch.empty(4096, r_big), many)

@@ -56,8 +56,7 @@ def prune_fused(configs, named_args, **kwargs):
     """The fused compose's tile for this call first (the others stay for ``FLASHDORA_AUTOTUNE=1`` to time): the
     small-rank tile up to ``FUSED_SMALL_R``; above it, the 16-bit tile when ``lora_B`` arrives in ``a``'s 16-bit
     dtype (cast first), else the float32 one (a float32 ``lora_B`` cast in registers, or float32 operands: the
-    16-bit tile's operand ring is sized for 2-byte elements). The launch key holds ``r`` and both
-    dtypes."""
+    16-bit tile's operand ring is sized for 2-byte elements). The launch key holds ``r`` and both dtypes."""
     if len(configs) == 1:
         return configs
     if named_args["R"] <= FUSED_SMALL_R:
