@@ -13,7 +13,9 @@ checks:
 - after an in-place edit of the (sharded) weights and after a ``load_state_dict``, with no optimizer step, the
   model's output equals PEFT's own on the same weights (no stale norm).
 
-Prints ``OK <wrap>`` per wrapper on rank 0; raises (a non-zero exit) on the first failed check.
+Prints ``OK <wrap>`` per wrapper on rank 0; raises (a non-zero exit) on the first failed check. ``--mixed-precision``
+then runs ``tests/mp_worker.py``'s check in the same launch (``OK mixed-precision``): a launch's start-up, two ranks
+importing torch, transformers and peft, costs more than either worker's training.
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def main() -> None:
     p.add_argument("--wrap", nargs="+", choices=list(WRAPS), default=DEFAULT, help="default: all but fsdp2-compile")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
+    p.add_argument("--mixed-precision", action="store_true", help="then tests/mp_worker.py's check")
     args = p.parse_args()
     global DEVICE
     if args.device == "cuda":
@@ -222,6 +225,11 @@ def main() -> None:
     try:
         for wrap in args.wrap:
             check(wrap, args.steps)
+        if args.mixed_precision:
+            import mp_worker  # (this directory: the script's)
+
+            gc.collect()
+            mp_worker.check(mp_worker.STEPS, DEVICE)
     finally:
         gc.collect()  # the models before the process group (examples/fsdp2_train.py says why)
         dist.destroy_process_group()

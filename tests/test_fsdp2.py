@@ -26,14 +26,21 @@ def _run(*cmd: str) -> str:
     return out.stdout
 
 
+@pytest.fixture(scope="module")
+def workers_output() -> str:
+    """``tests/dist_worker.py`` and then ``tests/mp_worker.py``'s check in one launch (``--mixed-precision``): the
+    launch's start-up is most of either's time. Each test below reads its own lines."""
+    return _run(str(ROOT / "tests" / "dist_worker.py"), "--mixed-precision")
+
+
 @posix
-def test_fsdp2_and_ddp_train_as_one_process_does():
+def test_fsdp2_and_ddp_train_as_one_process_does(workers_output):
     """Two ranks under FSDP2 (every decoder layer and the root; enabled after or before the sharding, with and
     without resharding after the forward, from the meta device, with gradient accumulation) and under DDP, gradient
     checkpointing on: the losses and adapter weights of PEFT's DoRA in one process on the whole batch, one norm per
     layer per step and one ``||W||^2`` per frozen base, ``report()`` listing every layer as flashdora's, and no stale
     norm after an in-place edit or a load between steps."""
-    out = _run(str(ROOT / "tests" / "dist_worker.py"))
+    out = workers_output
     assert all(f"OK {wrap}\n" in out for wrap in ("fsdp2", "fsdp2-early", "fsdp2-meta", "fsdp2-accum", "ddp")), out
 
 
@@ -45,16 +52,15 @@ def test_fsdp2_and_ddp_on_two_gpus():
 
 
 @posix
-def test_bf16_mixed_precision_trains_like_float32():
+def test_bf16_mixed_precision_trains_like_float32(workers_output):
     """Under FSDP2's bf16 ``MixedPrecisionPolicy`` flashdora's loss curve stays with the float32 run's where PEFT's
-    DoRA lags behind it (``tests/mp_worker.py``: two ranks, 12 steps; the worker checks both)."""
-    out = _run(str(ROOT / "tests" / "mp_worker.py"))
-    assert "OK mixed-precision" in out, out
+    DoRA lags behind it (``tests/mp_worker.py``: two ranks, 4 steps; the worker checks both)."""
+    assert "OK mixed-precision" in workers_output, workers_output
 
 
 @pytest.mark.gpu2
 def test_bf16_mixed_precision_on_two_gpus():
-    out = _run(str(ROOT / "tests" / "mp_worker.py"), "--device", "cuda")
+    out = _run(str(ROOT / "tests" / "mp_worker.py"), "--device", "cuda", "--steps", "12")  # (as the H200s ran it)
     assert "OK mixed-precision" in out, out
 
 

@@ -11,6 +11,7 @@ import flashdora
 from flashdora.tools.demo import build_peft_model
 
 N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _model(dropout=0.0):
@@ -301,8 +302,16 @@ def test_copies_of_a_model_get_their_own_cache():
 
 
 def _two_adapter_model(device, seed):
-    model = build_peft_model("tiny", 4, 0.0, device, seed=seed)
-    model.base_model.model.config.use_cache = False
+    """The tiny Llama at half its width (hidden 32, MLP 64), two adapters: the Triton interpreter's time goes with the
+    weights' size, and what is checked on it does not."""
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=TARGETS, init_lora_weights=False)
+    model = get_peft_model(LlamaForCausalLM(config).to(device), lora)
     model.add_adapter(
         "other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     )
