@@ -59,10 +59,12 @@ class Pair:
 
 def _llama(seed: int, small: bool, targets=None):
     """The demo's tiny Llama (``build_peft_model("tiny", ...)``) with DoRA at rank 4 on ``targets`` (default: every
-    projection); ``small``: one block, DoRA on three projections."""
+    projection); ``small``: one block at half width (hidden 32, MLP 64), DoRA on three projections."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, blocks, inter, heads, kv, vocab = SIZES["tiny"]
+    if small:
+        hidden, inter = hidden // 2, inter // 2
     config = LlamaConfig(
         hidden_size=hidden, num_hidden_layers=1 if small else blocks, intermediate_size=inter,
         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=64,
@@ -78,9 +80,10 @@ def _llama(seed: int, small: bool, targets=None):
 
 
 def _gpt2(seed: int, small: bool):
-    """``tests/peft_models.gpt2`` (``Conv1D`` layers, ``fan_in_fan_out``); ``small``: one block."""
+    """``tests/peft_models.gpt2`` (``Conv1D`` layers, ``fan_in_fan_out``); ``small``: one block at half width."""
     torch.manual_seed(seed)
-    config = GPT2Config(n_embd=32, n_layer=1 if small else 2, n_head=4, vocab_size=97, n_positions=64, use_cache=False)
+    config = GPT2Config(n_embd=16 if small else 32, n_layer=1 if small else 2, n_head=4, vocab_size=97, n_positions=64,
+                        use_cache=False)  # fmt: skip
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True, fan_in_fan_out=True,
         target_modules=["c_attn", "c_proj", "c_fc"], init_lora_weights=False,
@@ -92,7 +95,7 @@ def _gpt2(seed: int, small: bool):
 
 def _pair(name: str, seed: int, monkeypatch, backend: str = "eager") -> Pair:
     """A Llama (``nn.Linear``) or GPT-2 (``Conv1D``) with two DoRA adapters, enabled, and its PEFT twin; smaller
-    under Triton (interpreted on the CPU: slow)."""
+    under Triton (interpreted on the CPU: its time grows with the weights' size)."""
     monkeypatch.setenv("FLASHDORA_BACKEND", backend)
     small = backend == "triton"
     model, vocab = (_llama(seed, small), SIZES["tiny"][5]) if name == "llama" else (_gpt2(seed, small), 97)

@@ -37,12 +37,20 @@ def quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: s
             quantize(child, kind, compute_dtype, device)
 
 
-def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu", peft_bnb=False):
+# ``small=True``: one block at half width, for the tests the Triton interpreter runs (its time grows with the weights'
+# size). Every weight still holds whole 64-value 4-bit blocks of bitsandbytes (the smallest, k_proj: 16 x 32).
+FULL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+
+def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, device="cpu", peft_bnb=False,
+                small=False):  # fmt: skip
     """``peft_bnb``: the model says it is loaded quantized, so PEFT wraps its quantized layers in its ``lora.bnb``
-    classes (as with a model loaded by ``from_pretrained``; by default PEFT's generic ``Linear`` wraps them)."""
+    classes (as with a model loaded by ``from_pretrained``; by default PEFT's generic ``Linear`` wraps them).
+    ``small``: ``SMALL``."""
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
+    config = LlamaConfig(**(SMALL if small else FULL), num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         use_cache=False)  # fmt: skip
     base = LlamaForCausalLM(config).to(device)
     quantize(base, kind, compute_dtype, device)
     base.is_loaded_in_4bit = peft_bnb and kind != "int8"
@@ -54,11 +62,11 @@ def qdora_model(kind="nf4", compute_dtype=torch.float32, dropout=0.0, seed=0, de
         return get_peft_model(base, lora)
 
 
-def bf16_model(device="cpu", peft_bnb=False):
+def bf16_model(device="cpu", peft_bnb=False, small=False):
     """``qdora_model("nf4")`` with bf16 compute whose weights dequantize to bf16, the layer's compute dtype."""
     import bitsandbytes as bnb
 
-    model = qdora_model("nf4", compute_dtype=torch.bfloat16, device=device, peft_bnb=peft_bnb)
+    model = qdora_model("nf4", compute_dtype=torch.bfloat16, device=device, peft_bnb=peft_bnb, small=small)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.weight.quant_state.dtype = torch.bfloat16
@@ -75,9 +83,9 @@ def count_dequantizations(monkeypatch):
     return calls
 
 
-def int8_bf16_model(device="cpu", peft_bnb=False):
+def int8_bf16_model(device="cpu", peft_bnb=False, small=False):
     """``qdora_model("int8")`` in bf16 around its int8 layers (embeddings, norms, the head)."""
-    model = qdora_model("int8", device=device, peft_bnb=peft_bnb)
+    model = qdora_model("int8", device=device, peft_bnb=peft_bnb, small=small)
     for p in model.parameters():
         if not p.requires_grad and p.dtype == torch.float32:
             p.data = p.data.to(torch.bfloat16)

@@ -118,7 +118,7 @@ def test_qdora_triton_miss_dequantizes_once_and_matches_eager(monkeypatch):
     together) and never on a hit: over several optimizer steps, once per layer and step; the trained model's output
     is the eager path's (same weights)."""
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    model = bf16_model()
+    model = bf16_model(small=True)  # (the count per layer and step needs no size)
     flashdora.enable(model)
     flashdora.reset_stats()
     calls = count_dequantizations(monkeypatch)
@@ -212,8 +212,8 @@ def test_qdora_miss_allocates_no_float32_weight_on_the_triton_path(kind, monkeyp
     from flashdora.quant import dequant as bnb_dequant
 
     monkeypatch.setenv("FLASHDORA_BACKEND", "triton")
-    monkeypatch.setattr(bnb_dequant, "_INT8_CHUNK", 5 * 128)  # at most 5 rows of the widest weight a chunk
-    model = bf16_model() if kind == "nf4" else int8_bf16_model()
+    monkeypatch.setattr(bnb_dequant, "_INT8_CHUNK", 5 * 64)  # at most 5 rows of the widest weight a chunk
+    model = bf16_model(small=True) if kind == "nf4" else int8_bf16_model(small=True)
     flashdora.enable(model)
     bases = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
     smallest = min(m.in_features * m.out_features for m in bases)
