@@ -11,7 +11,6 @@ import flashdora
 from flashdora.tools.demo import build_peft_model
 
 N_LAYERS = 14  # tiny Llama: 2 layers x 7 projections
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _model(dropout=0.0):
@@ -307,9 +306,15 @@ def _two_adapter_model(device, seed):
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from flashdora.tools.bench.model_build import TARGETS
+    from flashdora.tools.demo import SIZES
+
+    hidden, blocks, inter, heads, kv, vocab = SIZES["tiny"]
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, use_cache=False)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=hidden // 2, intermediate_size=inter // 2, num_hidden_layers=blocks, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, use_cache=False,
+    )  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=TARGETS, init_lora_weights=False)
     model = get_peft_model(LlamaForCausalLM(config).to(device), lora)
     model.add_adapter(
