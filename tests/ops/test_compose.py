@@ -362,9 +362,9 @@ def test_cast_b_first_by_size_and_by_work():
     assert kc.cast_b_first(torch.empty(4096, r_big), many)
     assert kc.cast_b_first(torch.empty(8192, r_big), many // 2 + 1)  # twice the rows: half the tokens
     assert not kc.cast_b_first(torch.empty(4096, r_small), 2 * many)
-    # the 8B model's shapes at r = 384: gate/up (d_out 14336) from 2048 tokens a call, q/o (4096) from 4096
-    assert kc.cast_b_first(torch.empty(14336, 384), 2048) and not kc.cast_b_first(torch.empty(14336, 384), 512)
-    assert kc.cast_b_first(torch.empty(4096, 384), 4096) and not kc.cast_b_first(torch.empty(4096, 384), 2048)
+    # the 8B model's shapes at r = 384: gate/up (d_out 14336) from 512 tokens a call, q/o/down (4096) from 2048
+    assert kc.cast_b_first(torch.empty(14336, 384), 512) and not kc.cast_b_first(torch.empty(14336, 384), 256)
+    assert kc.cast_b_first(torch.empty(4096, 384), 2048) and not kc.cast_b_first(torch.empty(4096, 384), 1024)
     assert kc.cast_b_first(torch.empty(kc.CAST_B_FIRST // r_small, r_small), 1)
 
     tiles = ["fp32 lora_B", "16-bit lora_B", "small r"]  # the roles of COMPOSE_FUSED's three GPU configs, in order

@@ -187,7 +187,7 @@ CAST_B_FIRST = 8 * 2**20
 # Tokens x elements of lora_B from which it is cast first at any size (above the small-rank tile's ranks): each of
 # the kernel's row tiles re-reads its columns of lora_B, so past a few row tiles the float32 reads cost more than one
 # cast pass, and the 16-bit operand takes the faster tile (configs.prune_fused; docs/kernels.md, "Tiles").
-CAST_B_WORK = 2**32
+CAST_B_WORK = 2**31
 
 
 def cast_b_first(lora_B: torch.Tensor, t: int) -> bool:

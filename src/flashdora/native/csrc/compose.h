@@ -26,7 +26,7 @@ using torch::autograd::variable_list;
 
 // kernels/compose.py CAST_B_FIRST, CAST_B_WORK and kernels/configs.py FUSED_SMALL_R (tests/ops/test_native.py checks)
 constexpr int64_t kCastBFirst = 8 * (1 << 20);
-constexpr int64_t kCastBWork = int64_t{1} << 32;
+constexpr int64_t kCastBWork = 2147483648;  // 2^31
 constexpr int64_t kFusedSmallR = 32;
 
 // kernels/compose.py `cast_b_first`: the fused forward over `t` tokens gets lora_B cast to the matmul dtype `cd` in
