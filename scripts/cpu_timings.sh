@@ -12,7 +12,7 @@ TIMEFORMAT='real %3R s'
 {
   echo "# Set-up, the demo, the quick subset and the whole suite on a CPU machine (scripts/cpu_timings.sh)"
   echo "device: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores, no CUDA"
-  echo "commit: $(git rev-parse HEAD) (uncommitted changes: $([ -z "$(git status --porcelain)" ] && echo no || echo yes))"
+  echo "commit: $(git rev-parse HEAD) (uncommitted changes: $([ -z "$(git status --porcelain -- . ":(exclude)$LOG")" ] && echo no || echo yes))"
   echo "date: $(date -u +%FT%TZ)"
   echo "load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo
