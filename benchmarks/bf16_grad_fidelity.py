@@ -213,9 +213,10 @@ def run(args) -> tuple[list[str], list[dict], dict, dict]:
 
 
 def report(args, labels, rows: list[dict], info: dict, iso: dict, seconds: float) -> str:
-    import flashdora
     import peft
     import transformers
+
+    import flashdora
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,

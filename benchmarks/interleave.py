@@ -9,7 +9,13 @@ of the round), as dynamic padding gives, and reports those ratios apart from the
 
     python benchmarks/interleave.py --layers 16 --rank 16 --modes lora,fd --dynamic 1536-2048
 """
-import argparse, json, random, statistics as st, torch, transformers
+import argparse
+import json
+import random
+import statistics as st
+
+import torch
+import transformers
 from peft import LoraConfig, get_peft_model
 
 p = argparse.ArgumentParser()
@@ -26,8 +32,10 @@ p.add_argument("--modes", default="lora,dora,fd")
 p.add_argument("--compile", action="store_true", help="torch.compile each model (default mode)")
 p.add_argument("--dynamic", default="", help="LO-HI: also time a token count drawn from [LO, HI] every round")
 a = p.parse_args()
-cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers, num_attention_heads=32,
-                               num_key_value_heads=8, vocab_size=128256)
+cfg = transformers.LlamaConfig(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256,
+)
 cfg._attn_implementation = "sdpa"
 
 
@@ -88,7 +96,9 @@ def step(k, ids):
         return
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 regimes = ["fixed", "dynamic"] if a.dynamic else ["fixed"]
@@ -104,19 +114,25 @@ for r in range(a.warmup + a.rounds):
             ids = torch.randint(0, cfg.vocab_size, (a.bs, seqs[-1]), device="cuda", generator=gen)
         for k in order:
             torch.cuda.synchronize()
-            s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-            s.record(); step(k, ids); e.record(); torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step(k, ids)
+            e.record()
+            torch.cuda.synchronize()
             if r >= a.warmup:
                 times[g][k].append(s.elapsed_time(e))
 dev = torch.cuda.get_device_name()
-print(f"interleaved {a.phase} layers={a.layers} r={a.rank} bs={a.bs} dropout={a.dropout} quant={a.quant or None} rounds={a.rounds} on {dev}")
+print(f"interleaved {a.phase} layers={a.layers} r={a.rank} bs={a.bs} dropout={a.dropout} quant={a.quant or None} "
+      f"rounds={a.rounds} on {dev}")
 for g in regimes:
     print(f" {g}" + (f" (token counts {a.dynamic})" if g == "dynamic" else f" ({a.seq} tokens)"))
     for k in modes:
         print(f"  {k:5} median {st.median(times[g][k]):8.1f} ms  min {min(times[g][k]):8.1f}")
     for ref in [k for k in modes if k != "fd"] if "fd" in modes else []:  # fd/fdpy: what the C++ path buys
-        pr = [f / l for f, l in zip(times[g]["fd"], times[g][ref])]
-        print(f"  fd/{ref}: paired median {st.median(pr):.3f}  ratio of medians {st.median(times[g]['fd']) / st.median(times[g][ref]):.3f}  ratio of mins {min(times[g]['fd']) / min(times[g][ref]):.3f}")
+        fd, other = times[g]["fd"], times[g][ref]
+        pr = [f / o for f, o in zip(fd, other)]
+        print(f"  fd/{ref}: paired median {st.median(pr):.3f}  "
+              f"ratio of medians {st.median(fd) / st.median(other):.3f}  ratio of mins {min(fd) / min(other):.3f}")
 if "fd" in modes or "fdpy" in modes:
     import flashdora
     print("  stats", {k: v for k, v in flashdora.stats().items() if v})

@@ -220,7 +220,8 @@ def check(case: str, steps: int, ref) -> None:
     if fallbacks or said or stats.get("norm:base_sq") != base_sq:
         raise AssertionError(f"{case}: stats {stats}, warnings {said}")
     if case.startswith("zero3"):  # every call composed; its norm fresh or from the cache while no gather intervened
-        composed = stats.get("eager", 0) + stats.get("triton", 0)  # (the C++ route counts "triton" and "native_backward")
+        # (the C++ route counts "triton" and "native_backward")
+        composed = stats.get("eager", 0) + stats.get("triton", 0)
         if composed != calls or norms + stats.get("norm:cached", 0) != calls or norms < N_LAYERS * steps:
             raise AssertionError(f"{case}: stats {stats}")
     elif norms != N_LAYERS * steps:  # once per layer per step (the recomputation from the cache)

@@ -163,7 +163,8 @@ def test_the_layers_own_call_where_anything_could_differ(change, on_cpu, monkeyp
 
 
 def test_a_module_only_named_like_bitsandbytes_runs_its_own_call(on_cpu):
-    """``plan`` and ``run`` on a module whose class is only named ``Linear4bit`` / ``Linear8bitLt``: its own call, no error."""
+    """``plan`` and ``run`` on a module whose class is only named ``Linear4bit`` / ``Linear8bitLt``: its own call, no
+    error."""
 
     class Linear4bit(torch.nn.Linear):
         pass
@@ -190,7 +191,8 @@ def test_held_weight_refused_after_a_write_and_dropped_after_a_failed_call(on_cp
         x = torch.randn(2, 8, base.in_features)
         _, fresh = bnb_base.run(base, x, bnb_base.plan(base, x))
         packed, state = base.weight.detach(), base.weight.quant_state
-        assert fresh and torch.equal(bnb_dequant.kept_dense(packed, state), bnb.functional.dequantize_4bit(packed, state))
+        kept = bnb_dequant.kept_dense(packed, state)
+        assert fresh and torch.equal(kept, bnb.functional.dequantize_4bit(packed, state))
         base.weight.add_(0)
         assert bnb_dequant.kept_dense(packed, state) is None
     monkeypatch.setattr(flashdora.peft.variant, "flash_forward", lambda *a, **k: 1 / 0)
@@ -367,11 +369,11 @@ def test_dispatch_decides_the_base_once_per_call_and_the_route_records_it(on_cpu
     model = make()
     flashdora.enable(model)
     model.eval()
+    real = dispatch.base_plan
     for planned in (True, False):
         calls = []
-        real = dispatch.base_plan
 
-        def base_plan(base, x, native, calls=calls, planned=planned):
+        def base_plan(base, x, native, calls=calls, planned=planned, real=real):
             calls.append(base)
             return real(base, x, native) if planned else None
 

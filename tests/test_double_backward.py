@@ -254,7 +254,8 @@ def test_gpu_gradient_penalty_matches_peft(autocast, dropout):
 @pytest.mark.gpu
 def test_gpu_cpp_node_refuses_create_graph_and_the_opt_in_avoids_it(monkeypatch):
     """The C++ compose and layer nodes (the default CUDA training path once built) refuse ``create_graph=True`` with
-    the Python path's message; under ``double_backward`` the forward runs ``ComposeGrad2`` instead, and matches PEFT."""
+    the Python path's message; under ``double_backward`` the forward runs ``ComposeGrad2`` instead, and matches
+    PEFT."""
     from flashdora import native
 
     monkeypatch.setenv("FLASHDORA_NATIVE", "1")

@@ -8,7 +8,7 @@ them as module attributes (``config.backend``, ``config.native``...): no environ
 | setting | variable | default | what it does |
 |---|---|---|---|
 | ``backend`` | ``FLASHDORA_BACKEND`` | ``auto`` | ``auto`` (Triton on CUDA, else eager), ``triton``, ``eager`` |
-| ``native`` | ``FLASHDORA_NATIVE`` | on | the C++ compose, norm and 4-bit dequantization (built at the first training call) |
+| ``native`` | ``FLASHDORA_NATIVE`` | on | the C++ compose, norm and 4-bit dequantization (built as training starts) |
 | ``norm_cache`` | ``FLASHDORA_NORM_CACHE`` | on | the norm once per weight version |
 | ``private_apis`` | ``FLASHDORA_PRIVATE_APIS`` | on | private torch/Triton/bitsandbytes internals (``private``) |
 | ``static_launch`` | ``FLASHDORA_STATIC_LAUNCH`` | on | torch's C++ launcher of Triton kernels |

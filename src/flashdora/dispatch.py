@@ -76,9 +76,9 @@ MEASURED_LAYER = (
 ROUTES = (
     RouteRow(
         ("native",), ("native",), _ALL_BASES,
-        "CUDA, Triton, `native` on and the C++ extension loaded (`native_for`: built at the first call that trains, or "
-        "found built), no bias with dropout's exact form, no trainable bias (a call the C++ side declines for a fixed "
-        "property, such as alignment, runs the Triton path's code every time)",
+        "CUDA, Triton, `native` on and the C++ extension loaded (`native_for`: built at the first call that trains, "
+        "or found built), no bias with dropout's exact form, no trainable bias (a call the C++ side declines for a "
+        "fixed property, such as alignment, runs the Triton path's code every time)",
         "host time per layer call",
         "8B training step 0.80x the `triton` route's at r = 16, fixed length, and 0.84x with a new token count every "
         "step (one H200; docs/benchmarks.md, \"The C++ extension: whole-model A/B\")",
@@ -104,8 +104,8 @@ ROUTES = (
     ),
     RouteRow(
         ("eager",), ("eager",), _ALL_BASES,
-        "the CPU, float64, `backend=\"eager\"`, CUDA tensors off the current device; `bnb` only where tests add the CPU "
-        "to `quant.base.DEVICES`",
+        "the CPU, float64, `backend=\"eager\"`, CUDA tensors off the current device; `bnb` only where tests add the "
+        "CPU to `quant.base.DEVICES`",
         "the exact reference path, and the CPU", "none (correctness; no speed claim)",
     ),
     RouteRow(
@@ -132,8 +132,8 @@ ROUTES = (
     ),
     RouteRow(
         ("mixed-triton",), ("triton", "native"), _PLAIN_BASES,
-        "a call with PEFT's `adapter_names` on CUDA (eval mode, no gradients): every named adapter of the layer in one "
-        "pack, `u = x A_all^T`, then one Triton launch (`kernels/mixed.py`)",
+        "a call with PEFT's `adapter_names` on CUDA (eval mode, no gradients): every named adapter of the layer in "
+        "one pack, `u = x A_all^T`, then one Triton launch (`kernels/mixed.py`)",
         "several adapters (DoRA and LoRA) in one batch at about one adapter's cost",
         "`flashdora bench serve` (README, \"Serving several adapters\")",
     ),
@@ -149,10 +149,10 @@ ROUTES = (
     RouteRow(
         ("peft",), ("-",), _ALL_BASES,
         "`why`: `mixed-batch:<why>` (a mixed batch in training mode or with gradients, hooks, extra arguments: PEFT's "
-        "sub-batch loop, each DoRA adapter on its single-adapter route), hooks on the adapter modules or process-wide, "
-        "DeepSpeed ZeRO-3 on an untested DeepSpeed, a parameter not gathered or a `Conv1D` base, `torch.func`, a LoRA "
-        "bias, other base layers or quantizers, adapters on other devices, an input on another device, bitsandbytes "
-        "under `torch.compile`, an untested PEFT",
+        "sub-batch loop, each DoRA adapter on its single-adapter route), hooks on the adapter modules or "
+        "process-wide, DeepSpeed ZeRO-3 on an untested DeepSpeed, a parameter not gathered or a `Conv1D` base, "
+        "`torch.func`, a LoRA bias, other base layers or quantizers, adapters on other devices, an input on another "
+        "device, bitsandbytes under `torch.compile`, an untested PEFT",
         "whatever PEFT honours, flashdora honours", "PEFT's own",
     ),
     RouteRow(("meta",), ("-",), _PLAIN_BASES, "meta tensors (shapes only)", "meta-device initialisation", "n/a"),

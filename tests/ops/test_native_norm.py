@@ -7,10 +7,10 @@ import torch
 
 import flashdora
 from flashdora import dispatch, native
-from flashdora.native import bridge as native_bridge
 from flashdora.kernels import norm as kn
 from flashdora.kernels import norm_small
 from flashdora.kernels.norm_small import MAX_R
+from flashdora.native import bridge as native_bridge
 from flashdora.ops import norm as ops_norm
 
 

@@ -14,9 +14,8 @@ then ``scales.finish`` sums the partial rows and writes the norm and the scales.
 from __future__ import annotations
 
 import torch
-import triton
 
-from flashdora.kernels import configs, launcher, norm_gemm, norm_small
+from flashdora.kernels import norm_small
 from flashdora.kernels._common import HALF
 from flashdora.kernels.norm_fp32 import fused_partials
 from flashdora.kernels.norm_gemm import norm_half, weight_sq

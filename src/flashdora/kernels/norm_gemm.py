@@ -82,7 +82,9 @@ def _mm_f32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # (rows, d_in, r, dtype, device) -> whether cuBLAS runs the cross term faster as ``C^T = a W^T`` (``[r, rows]``)
-# than as ``C = W a^T``: the same product, tiled differently. Neither layout wins at every shape (docs/host-notes.md), so each shape's first computation times both and keeps the faster.
+# than as ``C = W a^T``: the same product, tiled differently.
+# Neither layout wins at every shape (docs/host-notes.md), so each shape's first computation times both and keeps
+# the faster.
 _TRANSPOSED: dict[tuple, bool] = {}
 _LAYOUT_REPS = 3
 

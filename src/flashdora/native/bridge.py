@@ -59,7 +59,8 @@ def layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling):
     return y
 
 
-_UNPLANNED: set[tuple] = set()  # calls whose kernels gave no plan (an interpreter, an unknown Triton): not primed again
+# calls whose kernels gave no plan (an interpreter, an unknown Triton): not primed again
+_UNPLANNED: set[tuple] = set()
 
 
 def prime(mod, result, lora_A, lora_B, magnitude, scales, scaling, bias, lx_base) -> bool:

@@ -20,10 +20,10 @@ import contextlib
 import functools
 import weakref
 
+import torch
 from peft.tuners.lora import model as lora_model
 from peft.tuners.lora.layer import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
-import torch
 from torch import nn
 
 from flashdora import config

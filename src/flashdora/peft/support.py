@@ -124,7 +124,8 @@ _ZERO3_HOOKS = "deepspeed.runtime.zero.parameter_offload"
 
 def zero3_hooks_only(module: nn.Module) -> bool:
     """Whether every hook on ``module`` is one of DeepSpeed ZeRO-3's module hooks and its forward is its class's:
-    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/host-notes.md). Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
+    such a module need not be called, since DeepSpeed gathers the parameters its caller reads (docs/host-notes.md).
+    Told by DeepSpeed's private closure names: only on a tested DeepSpeed (``config.TESTED``)."""
     if (
         module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__
         or torch.compiler.is_compiling() or not config.deepspeed_tested()

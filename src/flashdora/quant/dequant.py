@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdora import backend, config
+from flashdora import backend
 from flashdora.config import bnb_tested  # noqa: F401 (quant.base asks it here)
 
 _dense: tuple | None = None  # (packed's data_ptr, its version, quant_state, dense weight) of the last forward
@@ -22,7 +22,8 @@ def dequantized(base, packed: torch.Tensor | None = None, dtype: torch.dtype | N
     """A bitsandbytes layer's weight as the dense tensor its own forward computes with (PEFT's dequantization).
 
     A 4-bit weight: ``dequantize_4bit``'s values (the forward's kept weight, ``kept_dense``, where ``quant.base`` ran
-    it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/host-notes.md). An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
+    it), without PEFT's per-call checks around it, which cost host time every optimizer step (docs/host-notes.md).
+    An 8-bit weight: PEFT's float32 values cast to ``dtype`` (default float32).
     ``packed``: a plain alias of the packed weight (``weight.detach()``), if the caller has one. ``fast``: as
     ``dequantize_4bit``."""
     weight = base.weight
