@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashdora
+from flashdora.tools.bench.model_build import TARGETS
 
 CONFIG = dict(
     hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
     num_hidden_layers=2, use_cache=False,
 )  # fmt: skip
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 N_LAYERS = CONFIG["num_hidden_layers"] * len(TARGETS)
 
 

@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from flashdora.tools.bench.model_build import TARGETS
 
 
 def quantize(module: nn.Module, kind: str, compute_dtype: torch.dtype, device: str) -> None:

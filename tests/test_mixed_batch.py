@@ -205,10 +205,10 @@ def test_mixed_batch_on_a_4bit_base(peft_bnb):
     """QDoRA: an nf4 base (PEFT's generic ``Linear`` or its ``lora.bnb`` class around it) with two DoRA adapters and a
     LoRA adapter in one batch: each row PEFT's for its adapter (float32 compute)."""
     pytest.importorskip("bitsandbytes")
+    from tests.qdora_models import TARGETS as targets
     from tests.qdora_models import qdora_model
 
     model = qdora_model("nf4", peft_bnb=peft_bnb)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for name, kw in {"d2": dict(r=8, use_dora=True), "l1": dict(r=4)}.items():
         model.add_adapter(name, LoraConfig(lora_alpha=8, target_modules=targets, init_lora_weights=False, **kw))
     model.eval()
