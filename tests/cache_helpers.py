@@ -20,6 +20,7 @@ from torch.nn.utils import parametrize
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import flashdora
+from flashdora.tools.bench.model_build import TARGETS
 from flashdora.tools.demo import SIZES
 from tests.helpers import RTOL, rel_err
 
@@ -57,21 +58,29 @@ class Pair:
         return torch.randint(0, self.vocab, (2, 8), generator=torch.Generator().manual_seed(self.seed()))
 
 
-def _llama(seed: int, small: bool, targets=None):
-    """The demo's tiny Llama (``build_peft_model("tiny", ...)``) with DoRA at rank 4 on ``targets`` (default: every
-    projection); ``small``: one block at half width (hidden 32, MLP 64), DoRA on three projections."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(half: bool, blocks: int | None = None):
+    """The demo's tiny Llama's config (``SIZES["tiny"]``, 64 positions); ``half``: at half width (hidden 32, MLP 64),
+    where the Triton interpreter runs (its time grows with the weights' size); ``blocks``: other than the demo's."""
+    from transformers import LlamaConfig
 
-    hidden, blocks, inter, heads, kv, vocab = SIZES["tiny"]
-    if small:
+    hidden, n_blocks, inter, heads, kv, vocab = SIZES["tiny"]
+    if half:
         hidden, inter = hidden // 2, inter // 2
-    config = LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=1 if small else blocks, intermediate_size=inter,
+    return LlamaConfig(
+        hidden_size=hidden, num_hidden_layers=n_blocks if blocks is None else blocks, intermediate_size=inter,
         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=64,
         use_cache=False,
     )  # fmt: skip
+
+
+def _llama(seed: int, small: bool, targets=None):
+    """The demo's tiny Llama (``build_peft_model("tiny", ...)``) with DoRA at rank 4 on ``targets`` (default: every
+    projection); ``small``: one block at half width (hidden 32, MLP 64), DoRA on three projections."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(small, 1 if small else None)
     if targets is None:
-        targets = ["q_proj", "v_proj", "down_proj"] + ([] if small else ["k_proj", "o_proj", "gate_proj", "up_proj"])
+        targets = ["q_proj", "v_proj", "down_proj"] if small else TARGETS
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.1, use_dora=True, target_modules=targets, init_lora_weights=False
     )

@@ -304,19 +304,14 @@ def _two_adapter_model(device, seed):
     """The tiny Llama at half its width (hidden 32, MLP 64), two adapters: the Triton interpreter's time goes with the
     weights' size, and what is checked on it does not."""
     from peft import get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from flashdora.tools.bench.model_build import TARGETS
-    from flashdora.tools.demo import SIZES
+    from tests.cache_helpers import tiny_llama_config
 
-    hidden, blocks, inter, heads, kv, vocab = SIZES["tiny"]
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=hidden // 2, intermediate_size=inter // 2, num_hidden_layers=blocks, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, use_cache=False,
-    )  # fmt: skip
     lora = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=TARGETS, init_lora_weights=False)
-    model = get_peft_model(LlamaForCausalLM(config).to(device), lora)
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config(half=True)).to(device), lora)
     model.add_adapter(
         "other", LoraConfig(r=2, use_dora=True, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     )
