@@ -2,10 +2,7 @@
 time of a LoRA layer call by phase.
 
 - ``kernel_ms``: the device time of every kernel, copy and fill of one step (``torch.profiler``, one extra untimed
-  step). A row's ``host_gap_ms`` is its median wall time minus that: time the GPU waited for the host, give or take
-  the step-to-step spread of kernel time (the wall is a median over steps, the kernel time one step's).
-- ``gpu_idle_ms``: from the same profiled step, the time between its first kernel's start and its last kernel's end
-  in which no kernel, copy or fill ran: the time the GPU waited inside the step, from one step alone.
+  step). A row's ``host_gap_ms`` is its median wall time minus that: time the GPU waited for the host.
 - ``--host``: one more untimed step per mode with timers around the mode's LoRA layer classes' ``forward`` (split
   into the forward and checkpointing's recomputation: a call while autograd runs a backward is a recomputation),
   the backward of the node each layer call returns (flashdora's compose; PEFT LoRA's last op, an add, says little),
@@ -34,14 +31,8 @@ PHASES = ("forward", "recompute", "backward", "norm_miss", "optimizer")
 
 def kernel_ms(fn, device) -> float | None:
     """GPU time of one call of ``fn`` in ms (kernels, copies and fills, ``torch.profiler``); ``None`` off CUDA."""
-    return device_times(fn, device)[0]
-
-
-def device_times(fn, device) -> tuple[float | None, float | None]:
-    """``(kernel_ms, gpu_idle_ms)`` of one profiled call of ``fn``: the device time of its kernels, copies and fills,
-    and the time inside their span in which none ran (``idle``); ``(None, None)`` off CUDA."""
     if not timing.is_cuda(device):
-        return None, None
+        return None
     from torch.profiler import ProfilerActivity, profile
 
     timing.synchronize(device)
@@ -49,20 +40,7 @@ def device_times(fn, device) -> tuple[float | None, float | None]:
         fn()
         timing.synchronize(device)
     cuda = torch.autograd.DeviceType.CUDA
-    kernels = [e for e in prof.events() if e.device_type == cuda]
-    busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda)
-    return busy / 1e3, idle([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3
-
-
-def idle(spans) -> float:
-    """The time between the earliest start and the latest end of ``spans`` (``(start, end)`` pairs) that no span
-    covers (spans may overlap: several streams, or a kernel inside a longer one)."""
-    gaps, end = 0.0, None
-    for s, e in sorted(spans):
-        if end is not None and s > end:
-            gaps += s - end
-        end = e if end is None else max(end, e)
-    return gaps
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda) / 1e3
 
 
 def layer_classes(model) -> list[type]:
@@ -186,11 +164,11 @@ def _time_backward(node, spans, drain, clock) -> None:
 
 
 def view(model, fn, phase: str, args, device) -> dict:
-    """A row's ``kernel_ms`` and ``gpu_idle_ms`` (per generated token in ``decode``; ``gap`` makes its
-    ``host_gap_ms`` once its ``ms`` is known) and, with ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
+    """A row's ``kernel_ms`` (per generated token in ``decode``; ``gap`` makes its ``host_gap_ms`` once its ``ms``
+    is known) and, with ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
     per = args.new_tokens if phase == "decode" else 1
-    k, gpu_idle = device_times(fn, device)
-    out = {"kernel_ms": None if k is None else k / per, "gpu_idle_ms": None if gpu_idle is None else gpu_idle / per}
+    k = kernel_ms(fn, device)
+    out = {"kernel_ms": None if k is None else k / per}
     if getattr(args, "host", False) and phase != "decode":
         out["host"] = host_phases(model, fn, device)
     return out

@@ -47,7 +47,7 @@ def render_markdown(result: dict) -> str:
         "tokens",
         "ms",
         *(["each round's median ms"] if rounds else []),
-        *(["GPU ms", "host gap ms", "GPU idle ms"] if gpu else []),
+        *(["GPU ms", "host gap ms"] if gpu else []),
         "tokens/s",
         "vs base",
         "vs peft_lora",
@@ -71,7 +71,7 @@ def render_markdown(result: dict) -> str:
                 r["tokens"],
                 r["ms"],
                 *([" / ".join(f"{v:.1f}" for v in r.get("round_ms", []))] if rounds else []),
-                *([r.get("kernel_ms"), r.get("host_gap_ms"), r.get("gpu_idle_ms")] if gpu else []),
+                *([r.get("kernel_ms"), r.get("host_gap_ms")] if gpu else []),
                 r.get("tokens_per_s"),
                 ratio(r, "base"),
                 ratio(r, "peft_lora"),
@@ -99,9 +99,7 @@ def render_markdown(result: dict) -> str:
                 "of the first (cold) step alone."
                 + (
                     " GPU ms: the device time of one more step's kernels, copies and fills (torch.profiler); host "
-                    "gap ms: ms minus GPU ms, the time the GPU waited for the host (give or take the step-to-step "
-                    "spread of kernel time); GPU idle ms: the time inside that profiled step in which no kernel, "
-                    "copy or fill ran."
+                    "gap ms: ms minus GPU ms, the time the GPU waited for the host."
                     if gpu
                     else ""
                 ),
