@@ -145,17 +145,21 @@ def _action(rng, model, opt, state):
     return name
 
 
+class _CudaMemory:
+    """A CUDA tensor's memory as an object ``torch.as_tensor`` wraps in a new storage, without a copy (where the
+    allocator's reuse of a freed block is not deterministic enough to wait for)."""
+
+    def __init__(self, t):
+        self.t = t
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
 def _swap_in_at_the_same_address(p, values):
     """``p.data = new`` where ``new`` is a new storage at ``p``'s old address holding ``values``: what the allocator
     gives a parameter whose storage is freed and reallocated, as PEFT's DoRA unmerge (``W / f - delta``) can."""
     ptr, version = p.data_ptr(), p._version
-    if p.is_cuda:
-        p.data = torch.empty(0, device=p.device)  # frees the block; an allocation of its size will reuse it
-        misses = []  # free blocks of that size at lower addresses come first: hold them until ours comes up
-        new = torch.empty_like(values)
-        while new.data_ptr() != ptr and len(misses) < 1000:
-            misses.append(new)
-            new = torch.empty_like(values)
+    if p.is_cuda:  # the old memory, under a storage made from its CUDA array interface (which keeps the old alive)
+        new = torch.as_tensor(_CudaMemory(p.detach()), device=p.device)
         new.copy_(values)
     else:
         raw = p.detach().numpy()  # the old memory, under a storage numpy owns
