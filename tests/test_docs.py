@@ -121,6 +121,9 @@ def _block_id(block: str) -> str:
     return re.sub(r"[^\w.=(),\"-]+", "-", block.strip().splitlines()[-1])[:40]
 
 
+_BNB_CPU_LINE = "Failed to load CPU gemm_4bit_forward from kernels-community"  # (bitsandbytes 0.50 on some hosts)
+
+
 @pytest.mark.parametrize("block", readme_blocks(), ids=_block_id)
 def test_every_readme_snippet_runs_clean(block, tmp_path):
     """Each block runs to the end, reaches flashdora, and prints no warning a user would see (flashdora's own, or one
@@ -138,8 +141,10 @@ def test_every_readme_snippet_runs_clean(block, tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    # Python's warnings, PEFT's and transformers' log lines: all on stderr, which a clean snippet leaves empty
-    assert not proc.stderr.strip(), f"the snippet printed warnings: {proc.stderr[-3000:]}"
+    # Python's warnings, PEFT's and transformers' log lines: all on stderr, which a clean snippet leaves empty (but
+    # for bitsandbytes' own line at its import on some CPUs, which any user of it there sees, flashdora or not)
+    stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith(_BNB_CPU_LINE))
+    assert not stderr.strip(), f"the snippet printed warnings: {proc.stderr[-3000:]}"
     if "adapter_names=" in block:
         assert "attention_mask=" in block
         rows = proc.stdout.strip().splitlines()

@@ -170,23 +170,28 @@ def native_off(off: bool):
 
 
 @contextlib.contextmanager
-def _split():
+def _variant_off(name: str):
     from flashdora.peft import variant
 
-    before, variant.FUSE = variant.FUSE, False
+    before = getattr(variant, name)
+    setattr(variant, name, False)
     try:
         yield
     finally:
-        variant.FUSE = before
+        setattr(variant, name, before)
 
 
-SWITCHED = ("flashdora_python", "flashdora_split")  # the modes ``mode_switch`` runs under a setting of their own
+# the modes ``mode_switch`` runs under a setting of their own
+SWITCHED = ("flashdora_python", "flashdora_split", "flashdora_miss_first")
 
 
 def mode_switch(mode: str):
     """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
-    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
+    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``);
+    ``flashdora_miss_first`` with a layer call's base matmul after its norm miss (``peft.variant.BASE_AHEAD``); the
     caller's settings restored after."""
     if mode == "flashdora_split":
-        return _split()
+        return _variant_off("FUSE")
+    if mode == "flashdora_miss_first":
+        return _variant_off("BASE_AHEAD")
     return native_off(mode == "flashdora_python")
