@@ -19,8 +19,7 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    ab = ("flashdora_python", "flashdora_split", "flashdora_miss_first", "flashdora_adapter")  # (off by default)
-    default = [m for m in model.MODES if m not in ab]
+    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")]
     assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)
@@ -224,21 +223,19 @@ def test_native_off_restores_the_setting(monkeypatch):
             assert flashdora.config.native is before
 
 
-@pytest.mark.parametrize("mode, switch", [("flashdora_split", "FUSE"), ("flashdora_miss_first", "BASE_AHEAD")])
-def test_ab_modes_turn_their_switch_off_and_restore_it(mode, switch):
-    """``flashdora_split``'s row runs with the C++ layer call off (``peft.variant.FUSE``), ``flashdora_miss_first``'s
-    with the base matmul after a norm miss (``BASE_AHEAD``), each restored after, also when its step raises; other
-    modes leave both on."""
+def test_split_mode_turns_the_layer_call_off_and_restores_it():
+    """``flashdora_split``'s row runs with the C++ layer call off (``peft.variant.FUSE``), restored after, also when
+    its step raises; other modes leave it on."""
     from flashdora.peft import variant
 
-    assert getattr(variant, switch)
-    with model_phases.mode_switch(mode):
-        assert not getattr(variant, switch) and variant.FUSE is (switch != "FUSE")
-    with pytest.raises(RuntimeError), model_phases.mode_switch(mode):
+    assert variant.FUSE
+    with model_phases.mode_switch("flashdora_split"):
+        assert not variant.FUSE
+    with pytest.raises(RuntimeError), model_phases.mode_switch("flashdora_split"):
         raise RuntimeError("a failing step")
     with model_phases.mode_switch("flashdora"):
-        assert variant.FUSE and variant.BASE_AHEAD and flashdora.config.native
-    assert getattr(variant, switch)
+        assert variant.FUSE and flashdora.config.native
+    assert variant.FUSE
 
 
 @pytest.mark.parametrize("interleave", [False, True])

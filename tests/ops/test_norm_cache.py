@@ -284,33 +284,6 @@ def test_a_miss_records_nothing_and_leaves_grad_mode_as_it_was(monkeypatch):
     assert torch.is_grad_enabled()
 
 
-def test_before_miss_runs_once_before_each_miss_and_never_on_a_hit():
-    """``lookup_owner(before_miss=...)``: called before the miss computes anything (the layer call's base matmul
-    goes there), once per miss, not on a hit; a write to any input makes the next lookup a miss again."""
-    from flashdora.ops import norm_cache
-
-    class Owner:
-        pass
-
-    owner, calls = Owner(), []
-    w = torch.randn(12, 10)
-    a, b = torch.randn(3, 10, requires_grad=True), torch.randn(12, 3, requires_grad=True)
-    m = (w.norm(dim=1) * 1.1).requires_grad_()
-
-    def before_miss():
-        calls.append("cached" if "_flashdora_cache" in owner.__dict__ and "norm" in owner._flashdora_cache else "new")
-
-    lookup = norm_cache.NormCache.lookup_owner
-    first = lookup(w, a, b, m, 0.5, owner, before_miss=before_miss)
-    assert lookup(w, a, b, m, 0.5, owner, before_miss=before_miss) is first and calls == ["new"]
-    with torch.no_grad():
-        b.mul_(2.0)
-    lookup(w, a, b, m, 0.5, owner, before_miss=before_miss)
-    assert calls == ["new", "cached"]  # (called before the entry was rewritten)
-    assert lookup(w, a, b, m, 0.5, owner) is lookup(w, a, b, m, 0.5, owner, before_miss=before_miss)
-    assert len(calls) == 2
-
-
 def test_copies_of_a_model_get_their_own_cache():
     """deepcopy (EMA or reference models) and pickling start a layer's cache afresh, never share the original's."""
     import pickle

@@ -39,13 +39,12 @@ def compose(result, lx, lora_A, lora_B, magnitude, scales, scaling, bias, lx_bas
     return y
 
 
-def layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling, base=None):
+def layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling):
     """A layer call on the ``native`` route with a ``native`` base (``native/csrc/layer.cpp``): the base matmul, the
     LoRA A matmul and the compose in one C++ call, with one C++ node in training; a call it has no plan for is primed
-    and run again. ``None`` where the C++ side declines it (the caller runs the base layer and the C++ compose).
-    ``base``: the base matmul's result, from ``layer_base`` (``None``: the call runs it)."""
+    and run again. ``None`` where the C++ side declines it (the caller runs the base layer and the C++ compose)."""
     mod = build._module
-    args = (x, weight, bias, lora_A, lora_B, magnitude, scales, float(scaling), base)
+    args = (x, weight, bias, lora_A, lora_B, magnitude, scales, float(scaling))
     y = mod.layer_forward(*args)
     if y is False:
         like = x.new_zeros((x.numel() // x.shape[-1], weight.shape[0]))  # stands in for the base's result
@@ -58,12 +57,6 @@ def layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling, base=None
     if torch.is_grad_enabled():
         backend.count("native_backward")
     return y
-
-
-def layer_base(x, weight, bias):
-    """``layer``'s base matmul alone (``x W^T + b``, without autograd), or ``None``: launched before a norm-cache miss
-    so that the GPU runs it while the host works the miss; ``layer`` then takes it as ``base``."""
-    return build._module.layer_base(x, weight, bias)
 
 
 # calls whose kernels gave no plan (an interpreter, an unknown Triton): not primed again

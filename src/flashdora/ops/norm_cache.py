@@ -249,16 +249,14 @@ class NormCache:
     @classmethod
     def lookup_owner(
         cls, weight, lora_A, lora_B, magnitude, scaling: float, owner,
-        quantized=None, dtype=None, compiled=False, impl=None, before_miss=None,
+        quantized=None, dtype=None, compiled=False, impl=None,
     ) -> torch.Tensor:  # fmt: skip
         """``lookup`` by the owner object itself (``None``: no cache), as eager calls hold it.
 
         ``quantized``: a bitsandbytes base layer; ``weight`` is then its packed tensor, which the key is made of. A
         miss dequantizes it to the 16-bit weight the layer's own forward computes with (bitsandbytes' kernels), runs
         the 16-bit norm on it and frees it. ``dtype``: the layer input's dtype, which an 8-bit weight is dequantized to
-        (as PEFT's DoRA casts it). ``impl``: what a miss runs (the route's ``norm``; ``None``: routed here).
-        ``before_miss``: called once before a miss of the entry computes anything (the caller's own launches then go
-        ahead of the miss's)."""
+        (as PEFT's DoRA casts it). ``impl``: what a miss runs (the route's ``norm``; ``None``: routed here)."""
         if impl is None:
             impl = dispatch.norm_impl(weight, lora_A, lora_B, magnitude, quantized is not None)
         if owner is None or weight.is_meta or not cache_enabled():
@@ -281,8 +279,6 @@ class NormCache:
         if weight.is_cuda and (in_tree_pool(weight.get_device()) if compiled else capturing()):
             # inside a CUDA graph (or allocating to its pool): computed where it runs, kept nowhere (cache_streams)
             return _uncached(weight, lora_A, lora_B, magnitude, scaling, quantized, dtype, impl)
-        if before_miss is not None:
-            before_miss()
         if cache.get("streams") is not None:
             _usable(cache)  # a miss may reuse the entry's ||W||^2 or norm
         # Entries are made outside autograd (the inputs may be parameters) and outside inference mode (an inference

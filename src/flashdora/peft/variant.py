@@ -104,7 +104,6 @@ def flash_forward(
 
 
 FUSE = True  # the C++ layer call where it may run (``flashdora bench model``'s ``flashdora_split`` mode turns it off)
-BASE_AHEAD = True  # its base matmul ahead of a norm miss (``flashdora_miss_first`` turns it off)
 
 
 def fused_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, base: nn.Module):
@@ -141,25 +140,10 @@ def fused_forward(module: LoraLayer, active_adapter: str, x: torch.Tensor, base:
     if route is None:
         return None
     scaling = float(module.scaling[active_adapter])
-    d = module.__dict__
-    base_out = []
-    if BASE_AHEAD and d.get("_flashdora_fused"):  # (its last call ran here: a base matmul run ahead is not wasted)
-
-        def before_miss():  # the base matmul ahead of the miss's launches: the GPU runs it while the host works
-            base_out.append(bridge.layer_base(x, weight, bias))
-
-    else:
-        before_miss = None
     scales = NormCache.lookup_owner(
-        weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), None, x.dtype, impl=route.norm,
-        before_miss=before_miss,
-    )  # fmt: skip
-    base = base_out[0] if base_out else None
-    y = bridge.layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling, base)
-    d["_flashdora_fused"] = y is not None
-    if base is not None and y is not None:
-        backend.count("native_base_ahead")
-    return y
+        weight, lora_A, lora_B, magnitude, scaling, _cache_owner(owner), None, x.dtype, impl=route.norm
+    )
+    return bridge.layer(x, weight, bias, lora_A, lora_B, magnitude, scales, scaling)
 
 
 def _cache_id(owner) -> int:

@@ -24,7 +24,6 @@ MODEL_MODES = (
     "flashdora",
     "flashdora_python",
     "flashdora_split",
-    "flashdora_miss_first",
     "flashdora_nocache",
     "flashdora_adapter",
 )

@@ -25,8 +25,6 @@ from flashdora.tools.cli_args import (  # (the choices and the helpers every com
 )
 from flashdora.tools.cli_list import ListAction
 
-_OFF_BY_DEFAULT = ("flashdora_python", "flashdora_split", "flashdora_miss_first", "flashdora_adapter")  # (A/B modes)
-
 
 def parse_range(text: str) -> tuple[int, int]:
     """``"1536-2048"`` -> ``(1536, 2048)``: an inclusive range of positive integers."""
@@ -109,13 +107,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         nargs="+",
         choices=MODEL_MODES,
-        default=[m for m in MODEL_MODES if m not in _OFF_BY_DEFAULT],
+        default=[m for m in MODEL_MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")],
         help="base: no adapters; flashdora_python: flashdora with its C++ compose off (FLASHDORA_NATIVE=0); "
         "flashdora_split: flashdora with its C++ layer call off (the base layer called as a module); "
-        "flashdora_miss_first: flashdora with a layer call's base matmul after its norm miss, not ahead of it; "
         "flashdora_nocache: flashdora with its norm cache off; flashdora_adapter: enable(model, dropout='adapter'), "
-        "which differs only with --dropout > 0 (default: all but flashdora_python, flashdora_split, "
-        "flashdora_miss_first and flashdora_adapter)",
+        "which differs only with --dropout > 0 (default: all but flashdora_python, flashdora_split and "
+        "flashdora_adapter)",
     )
     p.add_argument(
         "--dropout",

@@ -113,7 +113,7 @@ void hang(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, co
 // calls again). The checks come before any work: a call it declines has launched nothing.
 py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& magnitude,
-                         const at::Tensor& scales, double scaling, const std::optional<at::Tensor>& base) {
+                         const at::Tensor& scales, double scaling) {
   if (!x.is_cuda() || x.dim() < 1 || !x.is_contiguous() || x.numel() == 0 || weight.dim() != 2 ||
       weight.device() != x.device() || weight.requires_grad() || lora_A.dim() != 2 || lora_B.dim() != 2) {
     return py::none();
@@ -138,10 +138,6 @@ py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const st
     bias_c = bias->contiguous();
     if (!aligned(bias_c)) return py::none();
   }
-  if (base && (base->dim() != 2 || base->size(0) != t || base->size(1) != n || base->scalar_type() != cd ||
-               base->device() != x.device() || !base->is_contiguous() || !aligned(*base))) {
-    return py::none();
-  }
   const bool cast_b = cast_b_first(lora_B, t, cd);
   if (!cast_b && !aligned(lora_B)) return py::none();
   const Plan *fwd = nullptr, *bwd = nullptr;
@@ -162,27 +158,13 @@ py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const st
     const at::Tensor x2 = x.view({t, k});
     // The base layer's F.linear as it runs on this 2-D view (autocast casts a float32 bias as it would there), and
     // a = x A^T with A cast here (under autocast without grad, autocast would cache a copy with no history).
-    at::Tensor result = base ? *base : bias ? at::addmm(bias_c, x2, weight.t()) : at::mm(x2, weight.t());
+    at::Tensor result = bias ? at::addmm(bias_c, x2, weight.t()) : at::mm(x2, weight.t());
     a = at::mm(x2, lora_A.scalar_type() == cd ? lora_A.t() : lora_A.to(cd).t());
     at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
     launch_forward(*fwd, result, a, b, nullptr, bias ? &bias_c : nullptr, scales, y, inner, scaling);
   }
   if (train) hang<LayerBackward>(y, x, weight, lora_A, lora_B, magnitude, a, inner, scales, scaling, bwd);
   return py::cast(y);
-}
-
-// `layer_forward`'s base matmul alone, launched ahead of a norm-cache miss (native/bridge.py `layer_base`): the GPU
-// runs it while the host works the miss, and `layer_forward` then takes it as `base`. The same op on the same
-// operands as there, so the same values; None where `layer_forward` could not take it.
-py::object layer_base(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (!x.is_cuda() || x.dim() < 1 || !x.is_contiguous() || x.numel() == 0 || weight.dim() != 2 ||
-      weight.device() != x.device() || weight.size(1) != x.size(-1) || (bias && bias->device() != x.device())) {
-    return py::none();
-  }
-  const int64_t k = x.size(-1), t = x.numel() / k;
-  at::AutoGradMode no_grad(false);
-  const at::Tensor x2 = x.view({t, k});
-  return py::cast(bias ? at::addmm(bias->contiguous(), x2, weight.t()) : at::mm(x2, weight.t()));
 }
 
 // The node with ATen math for the compose kernel, on y computed by the caller (the CPU tests of its wiring).
@@ -200,9 +182,7 @@ void add_layer(pybind11::module_& m) {
   m.def("layer_forward", &layer_forward,
         "the whole DoRA layer on a plain base in one call: y, None (not taken) or False (no plan yet)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("lora_A"), py::arg("lora_B"), py::arg("magnitude"),
-        py::arg("scales"), py::arg("scaling"), py::arg("base") = py::none());
-  m.def("layer_base", &layer_base, "layer_forward's base matmul alone (x W^T + b), launched ahead of a norm miss",
-        py::arg("x"), py::arg("weight"), py::arg("bias"));
+        py::arg("scales"), py::arg("scaling"));
   m.def("attach_layer_eager", &attach_layer_eager, "the layer's node with ATen math for the kernel (CPU tests)",
         py::arg("y"), py::arg("x"), py::arg("weight"), py::arg("lora_A"), py::arg("lora_B"), py::arg("magnitude"),
         py::arg("a"), py::arg("inner"), py::arg("scales"), py::arg("scaling"));

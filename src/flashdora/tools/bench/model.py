@@ -4,12 +4,10 @@ The base model is built once (bf16, gradient checkpointing on) and wrapped in tu
 PEFT DoRA (timed as ``peft_dora`` after ``flashdora.disable``, as ``flashdora`` after ``flashdora.enable``, as
 ``flashdora_python`` as ``flashdora`` with ``FLASHDORA_NATIVE=0`` (the Python compose, for an A/B of the C++ one in
 one launch), as ``flashdora_split`` as ``flashdora`` with the C++ layer call off (the base layer called as a module:
-an A/B of the layer call), as ``flashdora_miss_first`` as ``flashdora`` with a layer call's base matmul after its
-norm miss instead of ahead of it (an A/B of that order), as ``flashdora_nocache`` after
-``flashdora.enable(norm_cache=False)`` and as ``flashdora_adapter`` after ``flashdora.enable(dropout="adapter")``,
-then unloaded). Phases (``inference``, ``grad``, ``train``, ``decode``) and what each step does:
-bench/model_phases.py. ``grad`` and ``train`` change (or mark as changed) the weights every step, so flashdora's
-norm cache recomputes the norm once per step, as in real training;
+an A/B of the layer call), as ``flashdora_nocache`` after ``flashdora.enable(norm_cache=False)`` and as
+``flashdora_adapter`` after ``flashdora.enable(dropout="adapter")``, then unloaded). Phases (``inference``, ``grad``,
+``train``, ``decode``) and what each step does: bench/model_phases.py. ``grad`` and ``train`` change (or mark as
+changed) the weights every step, so flashdora's norm cache recomputes the norm once per step, as in real training;
 ``inference`` and ``decode`` keep the cache (weights are fixed). ``train`` really updates the adapters (AdamW,
 lr 1e-5), so the modes after it on the same PEFT model start from slightly different values.
 Adapters target every linear projection, ``lora_alpha = rank``, ``lora_dropout = --dropout`` (default 0),
@@ -75,8 +73,7 @@ def run_round(model, ids, args, device, base_row, bar, task, label, build_s, rev
     if "base" in args.modes:
         rows += measure_mode(model, "base", ids, args, device, base_row, bar, task, label)
     dora_modes = [
-        "peft_dora", "flashdora", "flashdora_python", "flashdora_split", "flashdora_miss_first", "flashdora_nocache",
-        "flashdora_adapter",
+        "peft_dora", "flashdora", "flashdora_python", "flashdora_split", "flashdora_nocache", "flashdora_adapter",
     ]  # fmt: skip
     groups = [(False, ["peft_lora"]), (True, dora_modes)]
     if reverse:

@@ -170,28 +170,23 @@ def native_off(off: bool):
 
 
 @contextlib.contextmanager
-def _variant_off(name: str):
+def _split():
     from flashdora.peft import variant
 
-    before = getattr(variant, name)
-    setattr(variant, name, False)
+    before, variant.FUSE = variant.FUSE, False
     try:
         yield
     finally:
-        setattr(variant, name, before)
+        variant.FUSE = before
 
 
-# the modes ``mode_switch`` runs under a setting of their own
-SWITCHED = ("flashdora_python", "flashdora_split", "flashdora_miss_first")
+SWITCHED = ("flashdora_python", "flashdora_split")  # the modes ``mode_switch`` runs under a setting of their own
 
 
 def mode_switch(mode: str):
     """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
-    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``);
-    ``flashdora_miss_first`` with a layer call's base matmul after its norm miss (``peft.variant.BASE_AHEAD``); the
+    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
     caller's settings restored after."""
     if mode == "flashdora_split":
-        return _variant_off("FUSE")
-    if mode == "flashdora_miss_first":
-        return _variant_off("BASE_AHEAD")
+        return _split()
     return native_off(mode == "flashdora_python")
