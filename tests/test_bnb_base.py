@@ -373,7 +373,7 @@ def test_dispatch_decides_the_base_once_per_call_and_the_route_records_it(on_cpu
     for planned in (True, False):
         calls = []
 
-        def base_plan(base, x, native, calls=calls, planned=planned, real=real):
+        def base_plan(base, x, native, calls=calls, planned=planned):
             calls.append(base)
             return real(base, x, native) if planned else None
 

@@ -205,7 +205,7 @@ def test_mixed_batch_on_a_4bit_base(peft_bnb):
     """QDoRA: an nf4 base (PEFT's generic ``Linear`` or its ``lora.bnb`` class around it) with two DoRA adapters and a
     LoRA adapter in one batch: each row PEFT's for its adapter (float32 compute)."""
     pytest.importorskip("bitsandbytes")
-    from tests.qdora_models import TARGETS as targets
+    from flashdora.tools.bench.model_build import TARGETS as targets
     from tests.qdora_models import qdora_model
 
     model = qdora_model("nf4", peft_bnb=peft_bnb)
