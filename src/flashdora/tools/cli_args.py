@@ -24,6 +24,7 @@ MODEL_MODES = (
     "flashdora",
     "flashdora_python",
     "flashdora_split",
+    "flashdora_norefresh",
     "flashdora_nocache",
     "flashdora_adapter",
 )

@@ -170,23 +170,28 @@ def native_off(off: bool):
 
 
 @contextlib.contextmanager
-def _split():
-    from flashdora.peft import variant
-
-    before, variant.FUSE = variant.FUSE, False
+def _off(module, name: str):
+    before = getattr(module, name)
+    setattr(module, name, False)
     try:
         yield
     finally:
-        variant.FUSE = before
+        setattr(module, name, before)
 
 
-SWITCHED = ("flashdora_python", "flashdora_split")  # the modes ``mode_switch`` runs under a setting of their own
+# the modes ``mode_switch`` runs under a setting of their own
+SWITCHED = ("flashdora_python", "flashdora_split", "flashdora_norefresh")
 
 
 def mode_switch(mode: str):
     """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
-    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
-    caller's settings restored after."""
+    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``);
+    ``flashdora_norefresh`` with norms made in the forward (``peft.refresh.ENABLED``); the caller's settings restored
+    after."""
+    from flashdora.peft import refresh, variant
+
     if mode == "flashdora_split":
-        return _split()
+        return _off(variant, "FUSE")
+    if mode == "flashdora_norefresh":
+        return _off(refresh, "ENABLED")
     return native_off(mode == "flashdora_python")
