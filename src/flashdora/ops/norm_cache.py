@@ -278,7 +278,8 @@ class NormCache:
         full_key = (key, m_key)
         if cache.get("scales_key") == full_key and (cache["streams"] is None or _usable(cache)):
             backend.count("norm:cached")
-            cache.pop("refreshed", None)  # (peft.refresh: a refreshed entry read)
+            if cache.pop("refreshed", False):  # (peft.refresh: a refreshed entry read)
+                cache["reads"] = cache.get("reads", 0) + 1
             return cache["scales"]
         if weight.is_cuda and (in_tree_pool(weight.get_device()) if compiled else capturing()):
             # inside a CUDA graph (or allocating to its pool): computed where it runs, kept nowhere (cache_streams)

@@ -9,8 +9,8 @@ step hook once the step is counted), each noted layer with a tensor that optimiz
 the same lookup its forward makes, on the same tensors, keyed on them as they are at that moment. The key decides,
 as for every entry: a refresh is never served stale, only wasted, when something moves its key before a forward
 reads it (another optimizer's step: every step counts for every trainable tensor; a load; a forward that never
-comes). A wasted refresh drops its layer for the rest of the process (``norm:refresh_wasted``); its forwards then
-miss as before.
+comes; ``norm:refresh_wasted``). A layer whose refreshes were wasted ``SPARE`` times more than read is dropped for
+the rest of the process: its forwards then miss as before.
 
 Not noted: bitsandbytes bases (a refresh would hold a dequantized weight), processes with a process group (FSDP2 frees
 the gathered weights after the backward; DDP, DeepSpeed), compiled and CUDA-graph calls, models switched by
@@ -31,7 +31,8 @@ from flashdora.peft.support import base_layer, param
 
 ENABLED = True  # (``flashdora bench model``'s ``flashdora_norefresh`` mode turns it off)
 _noted: dict[int, tuple] = {}  # id(owner) -> (owner ref, layer ref, adapter, impl)
-_dropped: weakref.WeakSet = weakref.WeakSet()  # owners whose refresh was wasted
+_dropped: weakref.WeakSet = weakref.WeakSet()  # owners whose refreshes were wasted more often than read
+SPARE = 2  # wasted refreshes a layer may have beyond those read
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)  # private: read where ``config.private``
 _PLAIN = (torch.Tensor, nn.Parameter)
 _failed = False  # a refresh raised: none from then on
@@ -41,7 +42,7 @@ def on_miss(owner, cache: dict, impl: str | None, quantized) -> None:
     """A miss on ``owner``'s entries while its magnitude trains (the norm cache, before it recomputes ``cache``; the
     call may run without grad: reentrant checkpointing's first forward does)."""
     if cache.pop("refreshed", False):  # made after the last step, never read: the refresh was wasted
-        _drop(owner)
+        _wasted(owner, cache)
         return
     if not ENABLED or _failed or quantized is not None or id(owner) in _noted or owner in _dropped:
         return
@@ -91,9 +92,9 @@ def _refresh(layer, adapter: str, owner, cache: dict, impl, held: set) -> None:
     magnitude = param(owner, "weight")
     if type(weight) not in _PLAIN or not {id(lora_A), id(lora_B), id(magnitude)} & held:
         return
-    if cache.get("refreshed"):  # the last refresh was never read
-        _drop(owner)
-        return
+    if cache.pop("refreshed", False):  # the last refresh was never read
+        if _wasted(owner, cache):
+            return
     weight = weight.T if layer.fan_in_fan_out else weight
     before = cache.get("scales_key")
     scaling = float(layer.scaling[adapter])
@@ -103,10 +104,15 @@ def _refresh(layer, adapter: str, owner, cache: dict, impl, held: set) -> None:
         backend.count("norm:refreshed")
 
 
-def _drop(owner) -> None:
+def _wasted(owner, cache: dict) -> bool:
+    """Count a wasted refresh; whether it dropped ``owner`` (wasted ``SPARE`` more times than read)."""
+    backend.count("norm:refresh_wasted")
+    cache["wasted"] = wasted = cache.get("wasted", 0) + 1
+    if wasted <= cache.get("reads", 0) + SPARE:
+        return False
     _noted.pop(id(owner), None)
     _dropped.add(owner)
-    backend.count("norm:refresh_wasted")
+    return True
 
 
 def _distributed() -> bool:
