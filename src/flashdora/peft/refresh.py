@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from flashdora import backend, config
 from flashdora.ops import norm_cache
+from flashdora.peft.layers import plain_active
 from flashdora.peft.support import base_layer, param
 
 ENABLED = True  # (``flashdora bench model``'s ``flashdora_norefresh`` mode turns it off)
@@ -56,7 +57,7 @@ def on_miss(owner, cache: dict, impl: str | None, quantized) -> None:
 
 
 def after_step(optimizer) -> None:
-    """Refresh the noted layers that ``optimizer`` (just stepped and counted) holds a tensor of."""
+    """Refresh the noted layers whose magnitude ``optimizer`` (just stepped and counted) holds."""
     if not _noted or not ENABLED or not config.private or _graph_task() != -1:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -68,9 +69,10 @@ def after_step(optimizer) -> None:
             if owner is None or layer is None:
                 del _noted[key]
                 continue
+            magnitude = owner._parameters.get("weight")  # (first: another model's optimizer costs a lookup a layer)
             cache = owner.__dict__.get("_flashdora_cache")
-            if cache is not None:
-                _refresh(layer, adapter, owner, cache, impl, held)
+            if id(magnitude) in held and cache is not None:
+                _refresh(layer, adapter, owner, magnitude, cache, impl)
     except Exception as e:  # noqa: BLE001 - the forward computes what a refresh could not
         global _failed
         _failed = True
@@ -80,18 +82,16 @@ def after_step(optimizer) -> None:
         )
 
 
-def _refresh(layer, adapter: str, owner, cache: dict, impl, held: set) -> None:
-
-    mods = layer._modules
-    if adapter not in mods["lora_A"]._modules or not layer.training:
+def _refresh(layer, adapter: str, owner, magnitude, cache: dict, impl) -> None:
+    """``owner``'s entry made now, where the layer's next plain call will run ``adapter`` in training."""
+    if not layer.training or plain_active(layer, (), {}) != adapter:
         return
-    base = base_layer(layer)
-    weight = param(base, "weight")
+    mods = layer._modules
+    weight = param(base_layer(layer), "weight")
+    if type(weight) not in _PLAIN:
+        return
     lora_A = param(mods["lora_A"]._modules[adapter], "weight")
     lora_B = param(mods["lora_B"]._modules[adapter], "weight")
-    magnitude = param(owner, "weight")
-    if type(weight) not in _PLAIN or not {id(lora_A), id(lora_B), id(magnitude)} & held:
-        return
     if cache.pop("refreshed", False):  # the last refresh was never read
         if _wasted(owner, cache):
             return
