@@ -124,37 +124,3 @@ def test_model_interleave_out_of_memory_names_the_way_out(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match=r"out of memory .*2 copies of tiny: peft_lora, flashdora.*fewer --modes"):
         main([*argv, "--device", "cpu", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # no result files for a run that measured nothing
-
-
-def test_model_settle_runs_each_timed_step_after_one_of_its_own(tmp_path, monkeypatch):
-    """``--settle``: every timed step of a mode follows an untimed step of the same mode (the rotation kept), so a
-    flashdora mode's norms made right after its optimizer step are read by its next step (peft.refresh)."""
-    import flashdora
-    from flashdora.tools.bench import model_interleave
-
-    calls, stats = [], []
-    make = model_phases.step_fn
-    modes = ["peft_lora", "flashdora", "flashdora_norefresh"]
-
-    def logged(target, ids, phase, args):
-        fn = make(target, ids, phase, args)
-        name = modes[len(stats)]
-        stats.append(name)
-
-        def call():
-            flashdora.reset_stats()
-            fn()
-            calls.append((name, flashdora.stats().get("norm:refreshed", 0)))
-
-        return call
-
-    monkeypatch.setattr(model_interleave, "step_fn", logged)
-    argv = ["model", "--preset", "tiny", "--rank", "4", "--seq", "8", "--phases", "train", "--modes", *modes]
-    result, _ = run_bench(tmp_path, *argv, "--reps", "2", "--warmup", "1", "--interleave", "--settle")
-    assert "settle" in result["protocol"]
-    timed = [name for name, _ in calls[6:]]
-    assert timed == [m for m in modes for _ in (0, 1)] + [m for m in modes[1:] + modes[:1] for _ in (0, 1)]
-    assert all(n == 14 for name, n in calls[6:] if name == "flashdora")  # (every layer's, at every step)
-    assert all(n == 0 for name, n in calls if name != "flashdora")
-    with pytest.raises(SystemExit, match="--settle .* needs --interleave"):
-        main(["bench", *argv, "--settle", "--device", "cpu", "--out", str(tmp_path)])

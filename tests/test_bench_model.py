@@ -19,8 +19,7 @@ def test_model_files_and_schema(tmp_path):
     result, files = run_bench(tmp_path, "model", "--preset", "tiny", "--seq", "16", "--reps", "2", "--warmup", "1")
     check_header(result, "model", tmp_path)
     records = result["records"]
-    opt_in = ("flashdora_python", "flashdora_split", "flashdora_norefresh", "flashdora_adapter")
-    default = [m for m in model.MODES if m not in opt_in]
+    default = [m for m in model.MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")]
     assert {(r["mode"], r["phase"]) for r in records} == {(m, p) for m in default for p in ("inference", "grad")}
     for r in records:
         assert {"preset", "mode", "phase", "rank", "tokens", "ms", "peak_extra_gib"} <= set(r)

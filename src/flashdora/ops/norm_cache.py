@@ -49,7 +49,6 @@ _events = 0  # other writes the version counters miss (module docstring)
 _unstamped = 0  # the last step that may have written a parameter whose storage could not be stamped
 
 _storage_numbers = itertools.count(1)
-_on_miss = _after_step = None  # peft.refresh's: a training call's miss, and a counted step (ops imports no peft)
 
 
 def cache_enabled() -> bool:
@@ -92,8 +91,6 @@ def _count_step(optimizer, args, kwargs) -> None:
                     getattr(p, "_local_tensor", p).untyped_storage()._flashdora_step = step
                 except (RuntimeError, NotImplementedError, TypeError):  # no storage: a write to every weight
                     _unstamped = step
-    if _after_step is not None:
-        _after_step(optimizer)
 
 
 _hook_handle = None
@@ -278,8 +275,6 @@ class NormCache:
         full_key = (key, m_key)
         if cache.get("scales_key") == full_key and (cache["streams"] is None or _usable(cache)):
             backend.count("norm:cached")
-            if cache.pop("refreshed", False):  # (peft.refresh: a refreshed entry read)
-                cache["reads"] = cache.get("reads", 0) + 1
             return cache["scales"]
         if weight.is_cuda and (in_tree_pool(weight.get_device()) if compiled else capturing()):
             # inside a CUDA graph (or allocating to its pool): computed where it runs, kept nowhere (cache_streams)
@@ -289,8 +284,6 @@ class NormCache:
         # Entries are made outside autograd (the inputs may be parameters) and outside inference mode (an inference
         # tensor kept here could not be saved for a later training step's backward).
         grad = torch.is_grad_enabled()
-        if _on_miss is not None and not compiled and magnitude.requires_grad:
-            _on_miss(owner, cache, impl, quantized)
         _set_grad_enabled(False)
         try:
             stepped = _own_weight(owner, weight) if compiled else weight

@@ -24,7 +24,7 @@ from torch import nn
 from flashdora import backend, config, dispatch
 from flashdora.ops.norm_cache import NormCache
 from flashdora.peft import layers as peft_layers
-from flashdora.peft import mixed, mixed_hooks, refresh, variant, watch  # noqa: F401 - refresh: the cache's hooks
+from flashdora.peft import mixed, mixed_hooks, variant, watch
 from flashdora.peft.enable_check import warn_if_nothing_to_enable
 from flashdora.peft.support import unsupported_reason
 from flashdora.peft.variant import (

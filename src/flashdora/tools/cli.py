@@ -180,9 +180,6 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
             error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")
         if args.rounds > 1 and args.compile:
             error("--rounds > 1 with --compile would recompile every mode in every round; use 1")
-        if args.settle and (not args.interleave or args.dynamic is not None):
-            error("--settle runs an untimed step of a mode before each of its timed ones: it needs --interleave "
-                  "(and not --dynamic)")
         if args.dynamic is not None:
             if not args.interleave:
                 error("--dynamic draws a token count per timed step for every mode at once: it needs --interleave")

@@ -24,7 +24,6 @@ MODEL_MODES = (
     "flashdora",
     "flashdora_python",
     "flashdora_split",
-    "flashdora_norefresh",
     "flashdora_nocache",
     "flashdora_adapter",
 )

@@ -25,8 +25,6 @@ from flashdora.tools.cli_args import (  # (the choices and the helpers every com
 )
 from flashdora.tools.cli_list import ListAction
 
-_OPT_IN_MODES = ("flashdora_python", "flashdora_split", "flashdora_norefresh", "flashdora_adapter")
-
 
 def parse_range(text: str) -> tuple[int, int]:
     """``"1536-2048"`` -> ``(1536, 2048)``: an inclusive range of positive integers."""
@@ -109,13 +107,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--modes",
         nargs="+",
         choices=MODEL_MODES,
-        default=[m for m in MODEL_MODES if m not in _OPT_IN_MODES],
+        default=[m for m in MODEL_MODES if m not in ("flashdora_python", "flashdora_split", "flashdora_adapter")],
         help="base: no adapters; flashdora_python: flashdora with its C++ compose off (FLASHDORA_NATIVE=0); "
         "flashdora_split: flashdora with its C++ layer call off (the base layer called as a module); "
-        "flashdora_norefresh: flashdora with norms made in the forward, not right after the optimizer step; "
         "flashdora_nocache: flashdora with its norm cache off; flashdora_adapter: enable(model, dropout='adapter'), "
-        "which differs only with --dropout > 0 (default: all but flashdora_python, flashdora_split, "
-        "flashdora_norefresh and flashdora_adapter)",
+        "which differs only with --dropout > 0 (default: all but flashdora_python, flashdora_split and "
+        "flashdora_adapter)",
     )
     p.add_argument(
         "--dropout",
@@ -160,13 +157,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "once, the start rotated), so that the host's drifts hit every mode alike; the Markdown adds each mode's "
         "paired ratio to PEFT LoRA. Every mode's model (and in train its optimizer state) is resident at once; "
         "not with --rounds",
-    )
-    p.add_argument(
-        "--settle",
-        action="store_true",
-        help="with --interleave: run each timed step of a mode right after an untimed step of the same mode, as a "
-        "process training one model does (process-wide state, such as the optimizer steps flashdora's norm cache "
-        "counts, is then the mode's own)",
     )
     p.add_argument(
         "--dynamic",

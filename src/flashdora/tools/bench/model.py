@@ -162,8 +162,6 @@ def run(args) -> int:
             f"timed step also runs every mode at --seq {args.seq} (fixed_times_ms); every call timed by wall clock "
             "with the queue drained around it"
         )
-    if args.settle:
-        protocol["settle"] = "each timed step of a mode right after an untimed step of the same mode"
     if "decode" in args.phases:
         protocol["decode"] = (
             f"generate: greedy, batch 1, {args.prompt}-token prompt, exactly {args.new_tokens} new tokens, KV cache "

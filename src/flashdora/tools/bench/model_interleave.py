@@ -84,8 +84,7 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
                 row.update(dynamic=list(args.dynamic), seqs=seqs, tokens=tokens, fixed_times_ms=fixed[mode])
         else:
             times = timing.measure_interleaved(
-                fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None,
-                settle=args.settle,
+                fns, reps=args.reps, device=device, peaks=peaks if timing.is_cuda(device) else None
             )
         for mode, fn in fns.items():  # (untimed: the GPU's time of a step, and with --host the host's by phase)
             rows[mode].update(host.view(models[mode], fn, phase, args, device))

@@ -170,28 +170,23 @@ def native_off(off: bool):
 
 
 @contextlib.contextmanager
-def _off(module, name: str):
-    before = getattr(module, name)
-    setattr(module, name, False)
+def _split():
+    from flashdora.peft import variant
+
+    before, variant.FUSE = variant.FUSE, False
     try:
         yield
     finally:
-        setattr(module, name, before)
+        variant.FUSE = before
 
 
-# the modes ``mode_switch`` runs under a setting of their own
-SWITCHED = ("flashdora_python", "flashdora_split", "flashdora_norefresh")
+SWITCHED = ("flashdora_python", "flashdora_split")  # the modes ``mode_switch`` runs under a setting of their own
 
 
 def mode_switch(mode: str):
     """What a mode's steps run under: ``flashdora_python`` with ``configure(native=False)``; ``flashdora_split`` with
-    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``);
-    ``flashdora_norefresh`` with norms made in the forward (``peft.refresh.ENABLED``); the caller's settings restored
-    after."""
-    from flashdora.peft import refresh, variant
-
+    the C++ layer call off (the base layer called as a module, then the C++ compose: ``peft.variant.FUSE``); the
+    caller's settings restored after."""
     if mode == "flashdora_split":
-        return _off(variant, "FUSE")
-    if mode == "flashdora_norefresh":
-        return _off(refresh, "ENABLED")
+        return _split()
     return native_off(mode == "flashdora_python")

@@ -6,8 +6,8 @@ from flashdora.tools.bench import record
 from flashdora.tools.bench.host import PHASES as HOST_PHASES
 
 MODES = (
-    "base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_split", "flashdora_norefresh",
-    "flashdora_nocache", "flashdora_adapter",
+    "base", "peft_lora", "peft_dora", "flashdora", "flashdora_python", "flashdora_split", "flashdora_nocache",
+    "flashdora_adapter",
 )  # fmt: skip
 PHASES = ("inference", "grad", "train", "decode")
 

@@ -73,8 +73,7 @@ def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str)
 
 
 def measure_interleaved(
-    fns: dict[str, Callable[[], object]], *, reps: int, device, peaks: dict[str, float] | None = None,
-    settle: bool = False,
+    fns: dict[str, Callable[[], object]], *, reps: int, device, peaks: dict[str, float] | None = None
 ) -> dict[str, list[float]]:
     """Milliseconds of ``reps`` calls of each of ``fns``, taken call by call: timed step ``k`` runs every callable
     once, starting with the ``k``-th (the start rotates; the cyclic order, and so which callable runs right before
@@ -85,8 +84,6 @@ def measure_interleaved(
 
     ``peaks`` (CUDA only): filled with each callable's largest peak over its calls, in GiB above what was allocated
     right before the call (read outside the timed span: the allocator's statistics move when the host issues work).
-    ``settle``: each timed call right after an untimed call of the same callable, so that what a call leaves behind
-    for the next (a process-wide count, a cache) is its own at every timed call.
     """
     if reps < 1:
         raise ValueError(f"measure_interleaved: reps expected >= 1, got {reps}")
@@ -95,8 +92,6 @@ def measure_interleaved(
     times: dict[str, list[float]] = {name: [] for name in names}
     if not is_cuda(device):
         for name in calls:
-            if settle:
-                fns[name]()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append((time.perf_counter() - t0) * 1e3)
@@ -104,8 +99,6 @@ def measure_interleaved(
     synchronize(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
     for name, (start, end) in zip(calls, events):
-        if settle:
-            fns[name]()
         if peaks is not None:
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
