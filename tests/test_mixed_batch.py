@@ -118,7 +118,8 @@ def test_mixed_quantized_base_on_gpu(kind):
     """QDoRA on CUDA: an nf4 or int8 bitsandbytes base in PEFT's ``lora.bnb`` classes (as ``from_pretrained`` loads
     it), two DoRA adapters and a LoRA adapter in one batch on the fused path: each row PEFT's for its adapter."""
     pytest.importorskip("bitsandbytes")
-    from tests.qdora_models import TARGETS, qdora_model
+    from flashdora.tools.bench.model_build import TARGETS
+    from tests.qdora_models import qdora_model
 
     model = qdora_model(kind, device="cuda", peft_bnb=True)
     for name, kw in {"d2": dict(r=8, use_dora=True), "l1": dict(r=4)}.items():
