@@ -10,7 +10,7 @@ import torch
 
 import flashdora
 import flashdora.native
-from flashdora.tools.bench import layer, model, record
+from flashdora.tools.bench import layer, model, record, step_kernels
 from flashdora.tools.cli import main
 from tests.bench_helpers import check_header, run_bench
 
@@ -51,6 +51,42 @@ def test_layer_restricted_lists_no_kernels(tmp_path):
     assert [(r["dtype"], r["mode"], r["phase"]) for r in result["rows"]] == [("bf16", "flashdora", "fwd_bwd")]
     assert result["ratios"][0]["flashdora_over_lora"] is None  # no LoRA row to divide by
     assert "device_peaks" not in result
+
+
+def test_layer_kernels_only_times_each_training_kernel_against_its_limit(tmp_path):
+    argv = ["layer", "--kernels-only", "--shapes", "32x48", "--ranks", "4", "80", "--tokens", "8", "16"]
+    result, files = run_bench(tmp_path, *argv, "--reps", "1", "--warmup", "0", "--norm-shape", "32x64")
+    assert result["rows"] == [] and result["ratios"] == []  # no PEFT layer timed
+    rows = result["step_kernels"]
+    assert [(k["rank"], k["kernel"]) for k in rows] == [(r, k) for r in (4, 80) for k in step_kernels.KERNELS]
+    peaks = result["device_peaks"]
+    for k in rows:
+        assert k["shape"] == "32x48" and k["tokens"] == 16 and k["ms"] > 0 and "error" not in k, k
+        rate_limit = max(k["bytes"] / (peaks["copy_gbps"] * 1e9), k["flops"] / (peaks["bf16_gemm_tflops"] * 1e12))
+        assert k["limit_ms"] == pytest.approx(rate_limit * 1e3)
+        assert k["of_limit"] == pytest.approx(k["limit_ms"] / k["ms"])
+    fwd = {k["rank"]: k for k in rows if k["kernel"] == "compose_fwd"}
+    # r = 4: result, a, float32 lora_B, scales in; y, inner out (16 x 48 bf16 each); 2 T d_out r FLOPs
+    assert fwd[4]["bytes"] == 16 * 48 * 2 * 3 + 16 * 4 * 2 + 48 * 4 * 4 + 3 * 48 * 4
+    assert fwd[4]["flops"] == 2 * 16 * 48 * 4
+    assert fwd[4]["cast_b_first"] is False
+    miss = next(k for k in rows if k["kernel"] == "norm_miss" and k["rank"] == 80)
+    assert miss["flops"] == 2 * 48 * 32 * 80 + 2 * 80 * 80 * (32 + 48)  # W a^T, a a^T, B G
+    assert "against their limits" in files[".md"].read_text()
+
+
+@pytest.mark.gpu
+def test_step_kernels_on_cuda_are_the_kernels_a_training_call_runs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run `pytest -m gpu` on a GPU machine)")
+    reps = {"warmup": 1, "reps": 3, "device": torch.device("cuda")}
+    peaks = {"copy_gbps": 2000.0, "bf16_gemm_tflops": 500.0}
+    rows = step_kernels.bench_step_kernels([(512, 1024)], [16, 128], 256, peaks, reps)
+    ran = {(k["rank"], k["kernel"]): " ".join(k["kernels"]) for k in rows}
+    assert all(0 < k["ms"] < 5 and 0 < k["of_limit"] for k in rows), rows
+    assert "_compose_fused_fwd_kernel" in ran[16, "compose_fwd"] and "_compose_bwd_kernel" in ran[128, "compose_bwd"]
+    assert "_small_kernel" in ran[16, "norm_miss"]  # r <= 64: the one-launch miss
+    assert "_epilogue_kernel" in ran[128, "norm_miss"] and "_scales_kernel" in ran[128, "norm_miss"]
 
 
 def test_a_second_result_with_the_same_name_never_overwrites_the_first(tmp_path):

@@ -73,6 +73,8 @@ BAD = [
     pytest.param(["bench", "layer", "--norm-rank", "0"], "--norm-rank expected >= 1", id="layer-norm-rank"),
     pytest.param(["bench", "layer", "--shapes", "0x8"], "--shapes: shape expected positive sizes", id="shape"),
     pytest.param(["bench", "layer", "--interleave", "--rounds", "2"], "--interleave .* no --rounds", id="interleave"),
+    pytest.param(["bench", "layer", "--kernels-only", "--no-kernels"], "--kernels-only .* --no-kernels skips",
+                 id="kernels-only"),  # fmt: skip
     pytest.param(["bench", "model", "--rank", "0"], "--rank expected >= 1, got 0", id="model-rank"),
     pytest.param(["bench", "model", "--new-tokens", "0"], "--new-tokens expected >= 1, got 0", id="new-tokens"),
     pytest.param(["bench", "model", "--layers", "0"], "--layers expected >= 1, got 0", id="layers"),

@@ -175,6 +175,8 @@ def _check_combinations(args: argparse.Namespace, error) -> None:
     """Options that exclude each other, and files that must exist."""
     if args._command == "bench layer" and args.interleave and args.rounds > 1:
         error(f"--interleave times the modes call by call; it takes no --rounds (got {args.rounds}): raise --reps")
+    if args._command == "bench layer" and args.kernels_only and args.no_kernels:
+        error("--kernels-only runs only the kernel sections, which --no-kernels skips: give one of them")
     if args._command == "bench model":
         if args.interleave and args.rounds > 1:
             error(f"--interleave times the modes step by step; it takes no --rounds (got {args.rounds}): raise --reps")

@@ -90,6 +90,12 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--norm-rank", type=int, help="rank of that comparison (default: 384; on the CPU: 16)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel, device-peak and norm sections")
+    p.add_argument(
+        "--kernels-only",
+        action="store_true",
+        help="only the kernel sections: device peaks, the kernels alone and against their limits, the norm comparison "
+        "(no PEFT layers timed)",
+    )
     _common(p, results=True)
 
 

@@ -29,8 +29,9 @@ from flashdora.tools.bench import timing
 PHASES = ("forward", "recompute", "backward", "norm_miss", "optimizer")
 
 
-def kernel_ms(fn, device) -> float | None:
-    """GPU time of one call of ``fn`` in ms (kernels, copies and fills, ``torch.profiler``); ``None`` off CUDA."""
+def kernel_ms(fn, device, names: list | None = None) -> float | None:
+    """GPU time of one call of ``fn`` in ms (kernels, copies and fills, ``torch.profiler``); ``None`` off CUDA.
+    ``names``: a list to extend with the names of what ran on the GPU, sorted."""
     if not timing.is_cuda(device):
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -40,7 +41,10 @@ def kernel_ms(fn, device) -> float | None:
         fn()
         timing.synchronize(device)
     cuda = torch.autograd.DeviceType.CUDA
-    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda) / 1e3
+    ran = [e for e in prof.key_averages() if e.device_type == cuda]
+    if names is not None:
+        names += sorted(e.key for e in ran)
+    return sum(e.self_device_time_total for e in ran) / 1e3
 
 
 def layer_classes(model) -> list[type]:

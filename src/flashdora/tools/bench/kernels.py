@@ -1,4 +1,5 @@
-"""``flashdora bench layer``'s kernel sections: device ceilings, the compose and the norm alone, PEFT's norm vs ours.
+"""``flashdora bench layer``'s kernel sections: device ceilings, the compose and the norm alone, PEFT's norm vs ours,
+and the kernels of a training layer call against their limits (``step_kernels``).
 
 The compose forward is read in GB/s against a device-to-device copy, the factored norm in TFLOP/s against a bf16
 GEMM, both for the eager twin and (where it can launch) the Triton kernel. Keys: docs/benchmarks.md.
@@ -20,6 +21,7 @@ from flashdora import backend
 from flashdora.ops.compose import compose_fwd_eager
 from flashdora.ops.norm import norm_sq_eager, scales, weight_sq_eager
 from flashdora.tools.bench import record, timing
+from flashdora.tools.bench.step_kernels import bench_step_kernels, render_step_kernels
 
 
 def shape_name(d_in: int, d_out: int) -> str:
@@ -52,7 +54,8 @@ def _rate(work: float, ms: float | None, unit: float) -> float | None:
 
 
 def bench_kernels(args, device) -> dict:
-    """Device peaks, the compose and the norm alone (eager twin and Triton kernel), and PEFT's norm vs ours."""
+    """Device peaks, the compose and the norm alone (eager twin and Triton kernel), PEFT's norm vs ours, and the
+    kernels of a training layer call against their limits (where the Triton kernels can launch)."""
     cuda = timing.is_cuda(device)
     launchable = cuda or os.environ.get("TRITON_INTERPRET") == "1"
     kernels = {
@@ -71,6 +74,9 @@ def bench_kernels(args, device) -> dict:
         "compose": bench_compose(d_outs, max(args.tokens), kernels["compose"], peaks, reps),
         "norm": bench_norm(args.shapes, args.ranks, kernels["norm"], peaks, reps),
         "norm_compare": compare_norms(*args.norm_shape, args.norm_rank, reps),
+        "step_kernels": bench_step_kernels(args.shapes, args.ranks, max(args.tokens), peaks, reps)
+        if launchable
+        else [],
     }
 
 
@@ -205,4 +211,5 @@ def render_kernels(result: dict) -> list[str]:
         "PEFT's norm (dense W + s B A, its forward's path under bf16 autocast) vs flashdora:",
         "",
         record.table(["shape", "r", "impl", "paths", "ms", "peak extra MiB"], compare),
+        *render_step_kernels(result),
     ]

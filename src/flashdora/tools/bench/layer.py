@@ -228,7 +228,7 @@ def run(args) -> int:
         "init_lora_weights": False,
     }
     result = record.new_result("layer", device, protocol, vars(args))
-    configs = list(itertools.product(args.shapes, args.ranks, args.dtypes))
+    configs = [] if args.kernels_only else list(itertools.product(args.shapes, args.ranks, args.dtypes))
     per_config = len(args.tokens) * len(args.phases) * len(args.modes) * args.rounds
     rows = []
     total = len(configs) * per_config

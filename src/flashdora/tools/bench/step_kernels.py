@@ -1,0 +1,151 @@
+"""``flashdora bench layer``'s roofline section: the kernels of one training layer call against their limits.
+
+For each (shape, rank) at the largest token count, with bf16 activations and float32 adapters (the autocast mode):
+
+- ``compose_fwd``: what a training layer call's compose launches (``ops.compose_fn._fwd``): ``lora_B`` cast to bf16
+  first where ``cast_b_first`` says so, then ``_compose_fused_fwd_kernel`` with ``inner`` saved;
+- ``compose_bwd``: ``compose_bwd`` with ``inner`` (the magnitude's gradient, its partial sums added);
+- ``norm_miss``: a norm-cache miss on a 16-bit weight whose ``||W||^2`` is known (every step after the first):
+  ``kernels.norm.norm_and_scales``.
+
+Each is timed by its GPU kernel time (the sum of its kernels' device time under ``torch.profiler``, per call), so
+that the host's launch time, which the whole-model benches see, does not hide how near the kernels are to the device.
+The limit of a call is ``max(bytes / copy rate, FLOPs / bf16 GEMM rate)`` at the rates measured in the same run
+(``device_peaks``); its bytes are the least any implementation must move (each input read once, each output written
+once), its FLOPs the matmuls' ``2 m n k``. ``of_limit`` = limit / time. Off CUDA the time is the wall time of a call
+(the code runs; the numbers mean nothing) and the kernels are not named.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from flashdora.ops.norm import scales, weight_sq_eager
+from flashdora.tools.bench import record, timing
+from flashdora.tools.bench.host import kernel_ms
+
+KERNELS = ("compose_fwd", "compose_bwd", "norm_miss")
+
+
+def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, list[str]]:
+    """``(ms per call, the kernels' names)``: on CUDA the device time of ``fn``'s kernels per call, from one
+    profiled run of ``reps`` calls after ``warmup`` unprofiled ones (``host.kernel_ms``); elsewhere the median wall
+    time of a call, and no names."""
+    for _ in range(warmup):
+        fn()
+    if not timing.is_cuda(device):
+        return statistics.median(timing.measure(fn, warmup=0, reps=reps, device=device).times_ms), []
+    names: list[str] = []
+    ms = kernel_ms(lambda: [fn() for _ in range(reps)], device, names)
+    return ms / reps, [name.split("(")[0][:48] for name in names]
+
+
+def _work(kernel: str, t: int, d_in: int, n: int, r: int, cast_b: bool, n_split: int) -> tuple[int, int]:
+    """``(bytes, FLOPs)`` the least a call must move and compute: bf16 activations and weight, float32 adapters,
+    float32 ``[3, n]`` scales."""
+    act = t * n * 2  # one bf16 [t, n] tensor
+    if kernel == "compose_fwd":  # result, a, lora_B (cast first: read fp32, write and read bf16), scales -> y, inner
+        b_bytes = n * r * (4 + 2 + 2 if cast_b else 4)
+        return act + t * r * 2 + b_bytes + 3 * n * 4 + 2 * act, 2 * t * n * r
+    if kernel == "compose_bwd":  # dy, inner, scales -> g dy, the magnitude gradient's partial sums (written, read)
+        return 3 * act + 3 * n * 4 + 2 * n_split * n * 4 + n * 4, 0
+    # norm_miss: W, lora_A, lora_B, ||W||^2, m -> norm and scales; W a^T, a a^T and B G
+    return n * d_in * 2 + r * d_in * 4 + n * r * 4 + 2 * n * 4 + 4 * n * 4, 2 * n * d_in * r + 2 * r * r * (d_in + n)
+
+
+def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool, int]:
+    """``({kernel: call}, cast_b_first, the backward's partial-sum rows)`` for one (shape, rank), random inputs."""
+    from flashdora.kernels import compose as kc
+    from flashdora.kernels.norm import norm_and_scales
+
+    bf16 = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(n, d_in, device=device, dtype=bf16, generator=gen) / d_in**0.5
+    lora_A = torch.randn(r, d_in, device=device, generator=gen) / d_in**0.5
+    lora_B = torch.randn(n, r, device=device, generator=gen) / r**0.5
+    magnitude = torch.rand(n, device=device, generator=gen) + 0.5
+    result = torch.randn(tokens, n, device=device, dtype=bf16, generator=gen)
+    a = torch.randn(tokens, r, device=device, dtype=bf16, generator=gen)
+    dy = torch.randn_like(result)
+    w_sq = weight_sq_eager(weight)
+    sc = scales(magnitude, torch.rand(n, device=device, generator=gen) + 0.5).contiguous()
+    cast_b = kc.cast_b_first(lora_B, tokens)
+
+    def compose_fwd():  # as ops.compose_fn._fwd runs it in a training call
+        return kc.compose_fwd_fused(result, a, lora_B.to(bf16) if cast_b else lora_B, sc, 1.0, save_inner=True)
+
+    inner = compose_fwd()[1]
+    calls = {
+        "compose_fwd": compose_fwd,
+        "compose_bwd": lambda: kc.compose_bwd(dy, inner, sc, False),
+        "norm_miss": lambda: norm_and_scales(weight, lora_A, lora_B, 1.0, magnitude, w_sq=w_sq),
+    }
+    return calls, cast_b, kc._bwd_split(tokens, n, sc)[1].shape[0]
+
+
+def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> list[dict]:
+    """One row per (shape, rank, kernel): ``ms`` (GPU kernel time per call), ``kernels`` (their names), ``bytes``,
+    ``flops``, ``limit_ms`` and ``of_limit`` (module docstring)."""
+    device, rows = reps["device"], []
+    for (d_in, n), r in ((s, r) for s in shapes for r in ranks):
+        calls, cast_b, n_split = _calls(d_in, n, r, tokens, device)
+        for kernel, fn in calls.items():
+            nbytes, flops = _work(kernel, tokens, d_in, n, r, cast_b, n_split)
+            limit = max(nbytes / (peaks["copy_gbps"] * 1e9), flops / (peaks["bf16_gemm_tflops"] * 1e12)) * 1e3
+            try:
+                ms, names = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
+            except Exception as e:  # noqa: BLE001 - recorded in the row, and the sweep goes on
+                ms, names, error = None, [], f"{type(e).__name__}: {e}"[:300]
+            else:
+                error = None
+            rows.append(
+                {
+                    "shape": f"{d_in}x{n}",
+                    "rank": r,
+                    "tokens": tokens,
+                    "kernel": kernel,
+                    "ms": ms,
+                    "kernels": names,
+                    "cast_b_first": cast_b if kernel == "compose_fwd" else None,
+                    "bytes": nbytes,
+                    "flops": flops,
+                    "limit_ms": limit,
+                    "of_limit": None if not ms else limit / ms,
+                    **({"error": error} if error else {}),
+                }
+            )
+        del calls
+        timing.free_memory(device)
+    return rows
+
+
+def render_step_kernels(result: dict) -> list[str]:
+    """Markdown for the roofline section (empty when the run has none)."""
+    rows = result.get("step_kernels")
+    if not rows:
+        return []
+    table = [
+        [
+            k["shape"],
+            k["rank"],
+            k["tokens"],
+            k["kernel"],
+            None if k["ms"] is None else k["ms"] * 1e3,
+            k["bytes"] / 2**20,
+            k["flops"] / 1e9,
+            k["limit_ms"] * 1e3,
+            k["of_limit"],
+            " ".join(k["kernels"]) or "-",
+        ]
+        for k in rows
+    ]
+    return [
+        "",
+        "The kernels of a training layer call against their limits (GPU kernel time per call under torch.profiler; "
+        "limit = max(bytes / copy rate, FLOPs / bf16 GEMM rate), the least bytes and the matmuls' FLOPs; bf16 "
+        "activations, float32 adapters):",
+        "",
+        record.table(["shape", "r", "tokens", "call", "us", "MiB", "GFLOP", "limit us", "of limit", "kernels"], table),
+    ]
