@@ -29,9 +29,9 @@ from flashdora.tools.bench import timing
 PHASES = ("forward", "recompute", "backward", "norm_miss", "optimizer")
 
 
-def kernel_ms(fn, device, names: list | None = None) -> float | None:
+def kernel_ms(fn, device, by_name: dict | None = None) -> float | None:
     """GPU time of one call of ``fn`` in ms (kernels, copies and fills, ``torch.profiler``); ``None`` off CUDA.
-    ``names``: a list to extend with the names of what ran on the GPU, sorted."""
+    ``by_name``: a dict to fill with the ms of each kernel (by name) that ran."""
     if not timing.is_cuda(device):
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -42,8 +42,8 @@ def kernel_ms(fn, device, names: list | None = None) -> float | None:
         timing.synchronize(device)
     cuda = torch.autograd.DeviceType.CUDA
     ran = [e for e in prof.key_averages() if e.device_type == cuda]
-    if names is not None:
-        names += sorted(e.key for e in ran)
+    if by_name is not None:
+        by_name.update((e.key, e.self_device_time_total / 1e3) for e in ran)
     return sum(e.self_device_time_total for e in ran) / 1e3
 
 

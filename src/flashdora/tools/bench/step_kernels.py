@@ -13,7 +13,7 @@ that the host's launch time, which the whole-model benches see, does not hide ho
 The limit of a call is ``max(bytes / copy rate, FLOPs / bf16 GEMM rate)`` at the rates measured in the same run
 (``device_peaks``); its bytes are the least any implementation must move (each input read once, each output written
 once), its FLOPs the matmuls' ``2 m n k``. ``of_limit`` = limit / time. Off CUDA the time is the wall time of a call
-(the code runs; the numbers mean nothing) and the kernels are not named.
+(the code runs; the numbers mean nothing) and no kernel is listed.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from flashdora.tools.bench.host import kernel_ms
 KERNELS = ("compose_fwd", "compose_bwd", "norm_miss")
 
 
-def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, list[str]]:
-    """``(ms per call, the kernels' names)``: on CUDA the device time of ``fn``'s kernels per call, from one
+def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, dict[str, float]]:
+    """``(ms per call, {kernel name: ms per call})``: on CUDA the device time of ``fn``'s kernels per call, from one
     profiled run of ``reps`` calls after ``warmup`` unprofiled ones (``host.kernel_ms``); elsewhere the median wall
-    time of a call, and no names."""
+    time of a call, and no kernels."""
     for _ in range(warmup):
         fn()
     if not timing.is_cuda(device):
-        return statistics.median(timing.measure(fn, warmup=0, reps=reps, device=device).times_ms), []
-    names: list[str] = []
-    ms = kernel_ms(lambda: [fn() for _ in range(reps)], device, names)
-    return ms / reps, [name.split("(")[0][:48] for name in names]
+        return statistics.median(timing.measure(fn, warmup=0, reps=reps, device=device).times_ms), {}
+    by_name: dict[str, float] = {}
+    ms = kernel_ms(lambda: [fn() for _ in range(reps)], device, by_name)
+    return ms / reps, {name.split("(")[0][:60]: t / reps for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])}
 
 
 def _work(kernel: str, t: int, d_in: int, n: int, r: int, cast_b: bool, n_split: int) -> tuple[int, int]:
@@ -95,9 +95,9 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
             nbytes, flops = _work(kernel, tokens, d_in, n, r, cast_b, n_split)
             limit = max(nbytes / (peaks["copy_gbps"] * 1e9), flops / (peaks["bf16_gemm_tflops"] * 1e12)) * 1e3
             try:
-                ms, names = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
+                ms, by_kernel = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
             except Exception as e:  # noqa: BLE001 - recorded in the row, and the sweep goes on
-                ms, names, error = None, [], f"{type(e).__name__}: {e}"[:300]
+                ms, by_kernel, error = None, {}, f"{type(e).__name__}: {e}"[:300]
             else:
                 error = None
             rows.append(
@@ -107,7 +107,7 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
                     "tokens": tokens,
                     "kernel": kernel,
                     "ms": ms,
-                    "kernels": names,
+                    "kernels": by_kernel,
                     "cast_b_first": cast_b if kernel == "compose_fwd" else None,
                     "bytes": nbytes,
                     "flops": flops,
@@ -119,6 +119,11 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
         del calls
         timing.free_memory(device)
     return rows
+
+
+def _short(name: str) -> str:
+    """A kernel's name without ``void``, namespaces and template arguments."""
+    return name.removeprefix("void ").split("<")[0].split("(")[0].rsplit("::", 1)[-1]
 
 
 def render_step_kernels(result: dict) -> list[str]:
@@ -137,7 +142,7 @@ def render_step_kernels(result: dict) -> list[str]:
             k["flops"] / 1e9,
             k["limit_ms"] * 1e3,
             k["of_limit"],
-            " ".join(k["kernels"]) or "-",
+            ", ".join(f"{_short(name)} {ms * 1e3:.1f}" for name, ms in k["kernels"].items()) or "-",
         ]
         for k in rows
     ]
@@ -147,5 +152,7 @@ def render_step_kernels(result: dict) -> list[str]:
         "limit = max(bytes / copy rate, FLOPs / bf16 GEMM rate), the least bytes and the matmuls' FLOPs; bf16 "
         "activations, float32 adapters):",
         "",
-        record.table(["shape", "r", "tokens", "call", "us", "MiB", "GFLOP", "limit us", "of limit", "kernels"], table),
+        record.table(
+            ["shape", "r", "tokens", "call", "us", "MiB", "GFLOP", "limit us", "of limit", "kernels (us)"], table
+        ),
     ]
