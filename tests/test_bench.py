@@ -70,6 +70,8 @@ def test_layer_kernels_only_times_each_training_kernel_against_its_limit(tmp_pat
     assert fwd[4]["bytes"] == 16 * 48 * 2 * 3 + 16 * 4 * 2 + 48 * 4 * 4 + 3 * 48 * 4
     assert fwd[4]["flops"] == 2 * 16 * 48 * 4
     assert fwd[4]["cast_b_first"] is False
+    bwd = next(k for k in rows if k["kernel"] == "compose_bwd" and k["rank"] == 4)
+    assert bwd["bytes"] == 16 * 48 * 2 * 3 + 4 * 48 * 4 and bwd["flops"] == 0  # dy, inner in, g dy out; scales, dg
     miss = next(k for k in rows if k["kernel"] == "norm_miss" and k["rank"] == 80)
     assert miss["flops"] == 2 * 48 * 32 * 80 + 2 * 80 * 80 * (32 + 48)  # W a^T, a a^T, B G
     assert "against their limits" in files[".md"].read_text()

@@ -42,21 +42,20 @@ def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, dict[str, floa
     return ms / reps, {name.split("(")[0][:60]: t / reps for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])}
 
 
-def _work(kernel: str, t: int, d_in: int, n: int, r: int, cast_b: bool, n_split: int) -> tuple[int, int]:
-    """``(bytes, FLOPs)`` the least a call must move and compute: bf16 activations and weight, float32 adapters,
-    float32 ``[3, n]`` scales."""
+def _work(kernel: str, t: int, d_in: int, n: int, r: int) -> tuple[int, int]:
+    """``(bytes, FLOPs)`` the least a call must move and compute, whatever runs it (no cast copy of ``lora_B``, no
+    partial sums): bf16 activations and weight, float32 adapters, float32 ``[3, n]`` scales."""
     act = t * n * 2  # one bf16 [t, n] tensor
-    if kernel == "compose_fwd":  # result, a, lora_B (cast first: read fp32, write and read bf16), scales -> y, inner
-        b_bytes = n * r * (4 + 2 + 2 if cast_b else 4)
-        return act + t * r * 2 + b_bytes + 3 * n * 4 + 2 * act, 2 * t * n * r
-    if kernel == "compose_bwd":  # dy, inner, scales -> g dy, the magnitude gradient's partial sums (written, read)
-        return 3 * act + 3 * n * 4 + 2 * n_split * n * 4 + n * 4, 0
+    if kernel == "compose_fwd":  # result, a, lora_B, scales -> y, inner
+        return act + t * r * 2 + n * r * 4 + 3 * n * 4 + 2 * act, 2 * t * n * r
+    if kernel == "compose_bwd":  # dy, inner, scales -> g dy, the magnitude's gradient
+        return 3 * act + 3 * n * 4 + n * 4, 0
     # norm_miss: W, lora_A, lora_B, ||W||^2, m -> norm and scales; W a^T, a a^T and B G
     return n * d_in * 2 + r * d_in * 4 + n * r * 4 + 2 * n * 4 + 4 * n * 4, 2 * n * d_in * r + 2 * r * r * (d_in + n)
 
 
 def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool, int]:
-    """``({kernel: call}, cast_b_first, the backward's partial-sum rows)`` for one (shape, rank), random inputs."""
+    """``({kernel: call}, cast_b_first)`` for one (shape, rank), random inputs."""
     from flashdora.kernels import compose as kc
     from flashdora.kernels.norm import norm_and_scales
 
@@ -82,7 +81,7 @@ def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool, 
         "compose_bwd": lambda: kc.compose_bwd(dy, inner, sc, False),
         "norm_miss": lambda: norm_and_scales(weight, lora_A, lora_B, 1.0, magnitude, w_sq=w_sq),
     }
-    return calls, cast_b, kc._bwd_split(tokens, n, sc)[1].shape[0]
+    return calls, cast_b
 
 
 def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> list[dict]:
@@ -90,9 +89,9 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
     ``flops``, ``limit_ms`` and ``of_limit`` (module docstring)."""
     device, rows = reps["device"], []
     for (d_in, n), r in ((s, r) for s in shapes for r in ranks):
-        calls, cast_b, n_split = _calls(d_in, n, r, tokens, device)
+        calls, cast_b = _calls(d_in, n, r, tokens, device)
         for kernel, fn in calls.items():
-            nbytes, flops = _work(kernel, tokens, d_in, n, r, cast_b, n_split)
+            nbytes, flops = _work(kernel, tokens, d_in, n, r)
             limit = max(nbytes / (peaks["copy_gbps"] * 1e9), flops / (peaks["bf16_gemm_tflops"] * 1e12)) * 1e3
             try:
                 ms, by_kernel = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
