@@ -39,7 +39,11 @@ def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, dict[str, floa
         return statistics.median(timing.measure(fn, warmup=0, reps=reps, device=device).times_ms), {}
     by_name: dict[str, float] = {}
     ms = kernel_ms(lambda: [fn() for _ in range(reps)], device, by_name)
-    return ms / reps, {name.split("(")[0][:60]: t / reps for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])}
+    short: dict[str, float] = {}
+    for name, t in by_name.items():  # names cut at 60 characters: kernels alike but for template arguments add up
+        key = name.split("(")[0][:60]
+        short[key] = short.get(key, 0.0) + t / reps
+    return ms / reps, dict(sorted(short.items(), key=lambda kv: -kv[1]))
 
 
 def _work(kernel: str, t: int, d_in: int, n: int, r: int) -> tuple[int, int]:
@@ -54,7 +58,7 @@ def _work(kernel: str, t: int, d_in: int, n: int, r: int) -> tuple[int, int]:
     return n * d_in * 2 + r * d_in * 4 + n * r * 4 + 2 * n * 4 + 4 * n * 4, 2 * n * d_in * r + 2 * r * r * (d_in + n)
 
 
-def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool, int]:
+def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool]:
     """``({kernel: call}, cast_b_first)`` for one (shape, rank), random inputs."""
     from flashdora.kernels import compose as kc
     from flashdora.kernels.norm import norm_and_scales
@@ -85,8 +89,8 @@ def _calls(d_in: int, n: int, r: int, tokens: int, device) -> tuple[dict, bool, 
 
 
 def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> list[dict]:
-    """One row per (shape, rank, kernel): ``ms`` (GPU kernel time per call), ``kernels`` (their names), ``bytes``,
-    ``flops``, ``limit_ms`` and ``of_limit`` (module docstring)."""
+    """One row per (shape, rank, kernel): ``ms`` (GPU kernel time per call), ``kernels`` (each kernel's ms per call,
+    by name, largest first), ``bytes``, ``flops``, ``limit_ms`` and ``of_limit`` (module docstring)."""
     device, rows = reps["device"], []
     for (d_in, n), r in ((s, r) for s in shapes for r in ranks):
         calls, cast_b = _calls(d_in, n, r, tokens, device)
