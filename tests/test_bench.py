@@ -67,14 +67,64 @@ def test_layer_kernels_only_times_each_training_kernel_against_its_limit(tmp_pat
         assert k["of_limit"] == pytest.approx(k["limit_ms"] / k["ms"])
     fwd = {k["rank"]: k for k in rows if k["kernel"] == "compose_fwd"}
     # r = 4: result, a, float32 lora_B, scales in; y, inner out (16 x 48 bf16 each); 2 T d_out r FLOPs
-    assert fwd[4]["bytes"] == 16 * 48 * 2 * 3 + 16 * 4 * 2 + 48 * 4 * 4 + 3 * 48 * 4
+    assert fwd[4]["bytes"] == 16 * 48 * 2 * 3 + 16 * 4 * 2 + 48 * 4 * 4 + 2 * 48 * 4  # scale rows g, g - 1
     assert fwd[4]["flops"] == 2 * 16 * 48 * 4
     assert fwd[4]["cast_b_first"] is False
     bwd = next(k for k in rows if k["kernel"] == "compose_bwd" and k["rank"] == 4)
-    assert bwd["bytes"] == 16 * 48 * 2 * 3 + 4 * 48 * 4 and bwd["flops"] == 0  # dy, inner in, g dy out; scales, dg
+    assert bwd["bytes"] == 16 * 48 * 2 * 3 + 3 * 48 * 4 and bwd["flops"] == 0  # dy, inner in, g dy out; g, 1/n, dg
     miss = next(k for k in rows if k["kernel"] == "norm_miss" and k["rank"] == 80)
     assert miss["flops"] == 2 * 48 * 32 * 80 + 2 * 80 * 80 * (32 + 48)  # W a^T, a a^T, B G
-    assert "against their limits" in files[".md"].read_text()
+    md = files[".md"].read_text()
+    assert "against their limits (wall time per call: not a GPU" in md and "Median ms per call" not in md
+
+
+def test_step_kernels_profiled_branch_frees_each_call_and_adds_up_kernels(monkeypatch):
+    """``gpu_ms``'s CUDA branch with the profiler faked: at least one unprofiled call, each call's outputs freed
+    before the next, kernels whose names match in their first 60 characters added up, per call, largest first."""
+    import weakref
+
+    live, made = [], []
+
+    class Out:
+        pass
+
+    def fn():
+        out = Out()
+        made.append(1)
+        live.append(weakref.ref(out))
+        assert sum(ref() is not None for ref in live) <= 1  # the previous call's output is gone
+        return out
+
+    long = "void at::native::vectorized_elementwise_kernel<8, at::native::" + "x" * 10
+
+    def fake_kernel_ms(run, device, by_name):
+        run()
+        by_name.update({long + "A>(int)": 4.0, long + "B>(int)": 2.0, "_compose_bwd_kernel": 8.0})
+        return 14.0
+
+    monkeypatch.setattr(step_kernels.timing, "is_cuda", lambda device: True)
+    monkeypatch.setattr(step_kernels, "kernel_ms", fake_kernel_ms)
+    ms, by_kernel = step_kernels.gpu_ms(fn, warmup=0, reps=4, device="cuda")
+    assert len(made) == 1 + 4 and ms == pytest.approx(3.5)
+    assert by_kernel == {"_compose_bwd_kernel": 2.0, long[:60]: 1.5}
+    assert list(by_kernel) == ["_compose_bwd_kernel", long[:60]]
+
+
+def test_step_kernels_a_failing_shape_leaves_error_rows_and_the_sweep_goes_on(monkeypatch, capsys):
+    calls = step_kernels._calls
+
+    def failing_first(d_in, n, r, tokens, device):
+        if d_in == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return calls(d_in, n, r, tokens, device)
+
+    monkeypatch.setattr(step_kernels, "_calls", failing_first)
+    peaks = {"copy_gbps": 1.0, "bf16_gemm_tflops": 1.0}
+    reps = {"warmup": 0, "reps": 1, "device": torch.device("cpu")}
+    rows = step_kernels.bench_step_kernels([(32, 48), (16, 24)], [4], 8, peaks, reps)
+    assert [(k["shape"], k.get("error")) for k in rows] == [("32x48", "out of memory")] * 3 + [("16x24", None)] * 3
+    assert all(k["ms"] is None for k in rows[:3]) and all(k["ms"] > 0 for k in rows[3:])
+    assert capsys.readouterr().err.count("32x48 r=4") == 3
 
 
 @pytest.mark.gpu

@@ -197,7 +197,7 @@ def render_kernels(result: dict) -> list[str]:
         "## Kernels alone",
         "",
         f"Device, same run: copy {p['copy_gbps']:.0f} GB/s (device-to-device, read + write), "
-        f"bf16 GEMM {p['bf16_gemm_tflops']:.0f} TFLOP/s (8192^3 on GPU). "
+        f"bf16 GEMM {p['bf16_gemm_tflops']:.3g} TFLOP/s (8192^3 on GPU). "
         f"Triton kernels present: {result['kernels_available']}.",
         "",
         "Compose forward (bytes read + written; `inner` saved for backward when save_inner):",

@@ -49,13 +49,14 @@ def render_markdown(result: dict) -> str:
     pooled = f"pooled over {n_rounds} rounds in alternating order; " if n_rounds > 1 else ""
     if result["protocol"].get("interleave"):
         pooled = "the modes timed call by call in rotating order; "
-    out = [
-        record.header(result, "flashdora bench layer"),
-        "",
-        f"Median ms per call ({pooled}DoRA = PEFT's DoRA); MiB: peak memory above the resident layer and inputs.",
-        "",
-        record.table(columns, lines),
-    ]
+    out = [record.header(result, "flashdora bench layer")]
+    if result["rows"]:  # (none with --kernels-only)
+        out += [
+            "",
+            f"Median ms per call ({pooled}DoRA = PEFT's DoRA); MiB: peak memory above the resident layer and inputs.",
+            "",
+            record.table(columns, lines),
+        ]
     out += render_kernels(result)
     return "\n".join(out) + "\n"
 
@@ -63,7 +64,13 @@ def render_markdown(result: dict) -> str:
 def render_png(result: dict, path) -> None:
     """Time and peak extra memory relative to PEFT LoRA, per phase, for the first dtype of the run."""
     rows = result["rows"]
-    dtype = rows[0]["dtype"] if rows else None
+    if not rows:  # --kernels-only: no layer timed
+        fig, axes = record.figure(1, 1, (7, 2))
+        axes[0][0].text(0.5, 0.5, "no layer timed (--kernels-only): see the Markdown", ha="center", va="center")
+        axes[0][0].set_axis_off()
+        record.save(fig, path)
+        return
+    dtype = rows[0]["dtype"]
     phases = [p for p in PHASES if any(r["phase"] == p for r in rows)] or ["forward"]
     fig, axes = record.figure(len(phases), 2, (14, 4 * len(phases)))
     for i, phase in enumerate(phases):

@@ -1,4 +1,5 @@
-"""``flashdora bench layer``'s roofline section: the kernels of one training layer call against their limits.
+"""``flashdora bench layer``'s roofline section: flashdora's own kernels of a training layer call against their limits
+(the base layer's GEMM and the LoRA matmuls, which ATen runs, are not in it).
 
 For each (shape, rank) at the largest token count, with bf16 activations and float32 adapters (the autocast mode):
 
@@ -8,17 +9,20 @@ For each (shape, rank) at the largest token count, with bf16 activations and flo
 - ``norm_miss``: a norm-cache miss on a 16-bit weight whose ``||W||^2`` is known (every step after the first):
   ``kernels.norm.norm_and_scales``.
 
-Each is timed by its GPU kernel time (the sum of its kernels' device time under ``torch.profiler``, per call), so
-that the host's launch time, which the whole-model benches see, does not hide how near the kernels are to the device.
-The limit of a call is ``max(bytes / copy rate, FLOPs / bf16 GEMM rate)`` at the rates measured in the same run
-(``device_peaks``); its bytes are the least any implementation must move (each input read once, each output written
-once), its FLOPs the matmuls' ``2 m n k``. ``of_limit`` = limit / time. Off CUDA the time is the wall time of a call
-(the code runs; the numbers mean nothing) and no kernel is listed.
+Each is timed by its GPU kernel time (the sum of its kernels' device time under ``torch.profiler``, per call, after
+at least one unprofiled call), so that the host's launch time, which the whole-model benches see, does not hide how
+near the kernels are to the device. The limit of a call is ``max(bytes / copy rate, FLOPs / bf16 GEMM rate)`` at the
+rates measured in the same run (``device_peaks``); its bytes are the least any implementation must move (each input
+it needs read once, each output written once), its FLOPs the matmuls' ``2 m n k``. ``of_limit`` = limit / time. A
+(shape, rank) that fails (out of memory, a failing kernel) gets rows with ``ms`` null and an ``error``, printed, and
+the sweep goes on. Off CUDA the time is the wall time of a call (the code runs; the numbers mean nothing) and no
+kernel is listed.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -31,14 +35,19 @@ KERNELS = ("compose_fwd", "compose_bwd", "norm_miss")
 
 def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, dict[str, float]]:
     """``(ms per call, {kernel name: ms per call})``: on CUDA the device time of ``fn``'s kernels per call, from one
-    profiled run of ``reps`` calls after ``warmup`` unprofiled ones (``host.kernel_ms``); elsewhere the median wall
-    time of a call, and no kernels."""
-    for _ in range(warmup):
+    profiled run of ``reps`` calls after ``warmup`` (at least one: compiles, the norm's cross-term layout timing)
+    unprofiled ones (``host.kernel_ms``); elsewhere the median wall time of a call, and no kernels."""
+    for _ in range(max(1, warmup)):
         fn()
     if not timing.is_cuda(device):
         return statistics.median(timing.measure(fn, warmup=0, reps=reps, device=device).times_ms), {}
+
+    def calls():  # each call's outputs freed before the next
+        for _ in range(reps):
+            fn()
+
     by_name: dict[str, float] = {}
-    ms = kernel_ms(lambda: [fn() for _ in range(reps)], device, by_name)
+    ms = kernel_ms(calls, device, by_name)
     short: dict[str, float] = {}
     for name, t in by_name.items():  # names cut at 60 characters: kernels alike but for template arguments add up
         key = name.split("(")[0][:60]
@@ -48,13 +57,13 @@ def gpu_ms(fn, *, warmup: int, reps: int, device) -> tuple[float, dict[str, floa
 
 def _work(kernel: str, t: int, d_in: int, n: int, r: int) -> tuple[int, int]:
     """``(bytes, FLOPs)`` the least a call must move and compute, whatever runs it (no cast copy of ``lora_B``, no
-    partial sums): bf16 activations and weight, float32 adapters, float32 ``[3, n]`` scales."""
+    partial sums): bf16 activations and weight, float32 adapters and scale rows."""
     act = t * n * 2  # one bf16 [t, n] tensor
-    if kernel == "compose_fwd":  # result, a, lora_B, scales -> y, inner
-        return act + t * r * 2 + n * r * 4 + 3 * n * 4 + 2 * act, 2 * t * n * r
-    if kernel == "compose_bwd":  # dy, inner, scales -> g dy, the magnitude's gradient
-        return 3 * act + 3 * n * 4 + n * 4, 0
-    # norm_miss: W, lora_A, lora_B, ||W||^2, m -> norm and scales; W a^T, a a^T and B G
+    if kernel == "compose_fwd":  # result, a = x A^T, lora_B, the rows g and g - 1 -> y, inner
+        return act + t * r * 2 + n * r * 4 + 2 * n * 4 + 2 * act, 2 * t * n * r
+    if kernel == "compose_bwd":  # dy, inner, the rows g and 1 / norm -> g dy, the magnitude's gradient
+        return 3 * act + 2 * n * 4 + n * 4, 0
+    # norm_miss: W, lora_A, lora_B, ||W||^2, m -> norm and the three scale rows; W A^T, A A^T and B G
     return n * d_in * 2 + r * d_in * 4 + n * r * 4 + 2 * n * 4 + 4 * n * 4, 2 * n * d_in * r + 2 * r * r * (d_in + n)
 
 
@@ -93,16 +102,23 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
     by name, largest first), ``bytes``, ``flops``, ``limit_ms`` and ``of_limit`` (module docstring)."""
     device, rows = reps["device"], []
     for (d_in, n), r in ((s, r) for s in shapes for r in ranks):
-        calls, cast_b = _calls(d_in, n, r, tokens, device)
+        try:
+            calls, cast_b = _calls(d_in, n, r, tokens, device)
+        except Exception as e:  # noqa: BLE001 - the inputs or the first forward failed: rows with the error
+            calls, cast_b, setup_error = dict.fromkeys(KERNELS), None, _error(e)
+        else:
+            setup_error = None
         for kernel, fn in calls.items():
             nbytes, flops = _work(kernel, tokens, d_in, n, r)
             limit = max(nbytes / (peaks["copy_gbps"] * 1e9), flops / (peaks["bf16_gemm_tflops"] * 1e12)) * 1e3
-            try:
-                ms, by_kernel = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
-            except Exception as e:  # noqa: BLE001 - recorded in the row, and the sweep goes on
-                ms, by_kernel, error = None, {}, f"{type(e).__name__}: {e}"[:300]
-            else:
-                error = None
+            ms, by_kernel, error = None, {}, setup_error
+            if fn is not None:
+                try:
+                    ms, by_kernel = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
+                except Exception as e:  # noqa: BLE001 - recorded in the row, and the sweep goes on
+                    error = _error(e)
+            if error:
+                print(f"bench: {d_in}x{n} r={r} {kernel} failed: {error}", file=sys.stderr)
             rows.append(
                 {
                     "shape": f"{d_in}x{n}",
@@ -122,6 +138,10 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
         del calls
         timing.free_memory(device)
     return rows
+
+
+def _error(e: Exception) -> str:
+    return "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
 
 
 def _short(name: str) -> str:
@@ -149,11 +169,15 @@ def render_step_kernels(result: dict) -> list[str]:
         ]
         for k in rows
     ]
+    timed = (
+        "GPU kernel time per call under torch.profiler"
+        if result["device"]["type"] == "cuda"
+        else "wall time per call: not a GPU, the numbers mean nothing"
+    )
     return [
         "",
-        "The kernels of a training layer call against their limits (GPU kernel time per call under torch.profiler; "
-        "limit = max(bytes / copy rate, FLOPs / bf16 GEMM rate), the least bytes and the matmuls' FLOPs; bf16 "
-        "activations, float32 adapters):",
+        f"flashdora's kernels of a training layer call against their limits ({timed}; limit = max(bytes / copy "
+        "rate, FLOPs / bf16 GEMM rate), the least bytes and the matmuls' FLOPs; bf16 activations, float32 adapters):",
         "",
         record.table(
             ["shape", "r", "tokens", "call", "us", "MiB", "GFLOP", "limit us", "of limit", "kernels (us)"], table
