@@ -14,10 +14,10 @@ equal, the key being, for each of W, A, B and the magnitude:
 
 and the layer's ``scaling`` (PEFT's ``set_scale``, ``scale_layer``), plus two process-wide counters: ``torch.optim``
 steps (fused optimizers write without moving version counters) and events that write weights behind the version
-counter: ``invalidate()``, PEFT's hotswap, ``load_state_dict`` into an enabled layer and the forward of a module
-sharded with FSDP2 (which re-fills the same unsharded storage on every all-gather). What it cannot see: a write
-through an alias that has its own version counter (``p.data.copy_``, numpy or storage aliases, DLPack), outside the
-events above; ``flashdora.invalidate()`` after such a write.
+counter: ``invalidate()``, PEFT's hotswap and ``load_state_dict`` into an enabled layer. An FSDP2 unsharded
+parameter (re-filled in the same storage at every all-gather) is keyed by its shard instead (``_key``). What it
+cannot see: a write through an alias that has its own version counter (``p.data.copy_``, numpy or storage aliases,
+DLPack), outside the events above; ``flashdora.invalidate()`` after such a write.
 
 ``||W||^2`` is kept across optimizer steps, so that a frozen base computes it once: its key holds W's key and the
 events, and instead of the step count the last step that may have written W. Each step stamps its number on the

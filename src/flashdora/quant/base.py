@@ -15,7 +15,7 @@ that paces an 8B QDoRA step. On a flashdora DoRA layer, ``run`` makes the same c
   input's dtype for ``grad_x``. Here the same ops and the same backward.
 
 Wherever anything could differ (fewer rows, where bitsandbytes runs its fused 4-bit kernel; hooks on the layer;
-its first call; a bias that trains or needs a cast; another bitsandbytes version; ``torch.func``; bitsandbytes' CPU
+a bias that trains or needs a cast; another bitsandbytes version; ``torch.func``; bitsandbytes' CPU
 training path) the layer's own forward runs, as it does everywhere with ``FLASHDORA_PRIVATE_APIS=0``.
 """
 
