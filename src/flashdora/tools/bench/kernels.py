@@ -35,7 +35,7 @@ def timed(fn, *, warmup: int, reps: int, device) -> dict:
         m = timing.measure(fn, warmup=warmup, reps=reps, device=device)
     except Exception as e:  # noqa: BLE001 - recorded in the row and printed
         timing.free_memory(device)
-        error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
+        error = timing.describe_error(e)
         print(f"bench: row failed: {error}", file=sys.stderr)
         return {"ms": None, "peak_extra_mib": None, "error": error}
     return {"ms": m.ms, "peak_extra_mib": m.peak_extra_mib, "times_ms": m.times_ms}

@@ -54,7 +54,7 @@ def measure_mode(target, mode, ids, args, device, base_row, bar, task, label) ->
             row.update(host.gap(row))
         except Exception as e:  # noqa: BLE001 - recorded in the row and printed; the other modes still run
             timing.free_memory(device)
-            error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
+            error = timing.describe_error(e)
             print(f"bench model: {mode} {phase} failed: {error}", file=sys.stderr)
             row.update(ms=None, peak_extra_gib=None, error=error)
         stats = flashdora.stats()  # a compiled graph counts only its norm op's calls: name the path "compiled"

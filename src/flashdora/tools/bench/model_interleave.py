@@ -91,7 +91,7 @@ def measure_phase(models: dict, ids, phase: str, args, device, base_row: dict) -
     except Exception as e:  # noqa: BLE001 - recorded in every row of the phase; the other phases still run
         fns = None
         timing.free_memory(device)
-        error = "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
+        error = timing.describe_error(e)
         print(f"bench model: {phase} failed: {error}", file=sys.stderr)
         return [{**row, "ms": None, "peak_extra_gib": None, "error": error} for row in rows.values()]
     fns = None  # the optimizers' states go with the step functions

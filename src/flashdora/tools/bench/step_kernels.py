@@ -104,7 +104,7 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
         try:
             calls, cast_b = _calls(d_in, n, r, tokens, device)
         except Exception as e:  # noqa: BLE001 - the inputs or the first forward failed: rows with the error
-            calls, cast_b, setup_error = dict.fromkeys(KERNELS), None, _error(e)
+            calls, cast_b, setup_error = dict.fromkeys(KERNELS), None, timing.describe_error(e)
         else:
             setup_error = None
         for kernel, fn in calls.items():
@@ -115,7 +115,7 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
                 try:
                     ms, by_kernel = gpu_ms(fn, warmup=reps["warmup"], reps=reps["reps"], device=device)
                 except Exception as e:  # noqa: BLE001 - recorded in the row, and the sweep goes on
-                    error = _error(e)
+                    error = timing.describe_error(e)
             if error:
                 print(f"bench: {d_in}x{n} r={r} {kernel} failed: {error}", file=sys.stderr)
             rows.append(
@@ -137,10 +137,6 @@ def bench_step_kernels(shapes, ranks, tokens: int, peaks: dict, reps: dict) -> l
         del calls
         timing.free_memory(device)
     return rows
-
-
-def _error(e: Exception) -> str:
-    return "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
 
 
 def _short(name: str) -> str:

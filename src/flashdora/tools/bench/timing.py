@@ -54,6 +54,11 @@ def free_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
+def describe_error(e: BaseException) -> str:
+    """What a failed benchmark row records: ``out of memory``, else the exception's type and message (300 chars)."""
+    return "out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:300]
+
+
 def _time_calls(fn: Callable[[], object], reps: int, device: torch.device | str) -> list[float]:
     """Milliseconds of ``reps`` calls of ``fn`` (results are dropped at once, so they never pile up)."""
     if is_cuda(device):
