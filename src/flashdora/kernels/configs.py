@@ -113,10 +113,12 @@ NORM_FWD = _pick(
     triton.Config({"BLOCK_M": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1),
 )
 # The epilogue of the 16-bit weights' norm (kernels/norm_gemm.py): a GEMM [rows, r] x [r, BLOCK_J] (B G on TF32)
-# with the row-dot in its epilogue; key ["r"]. BLOCK_J is norm_block_r's (it sets the partial rows), not tuned.
+# with the row-dot in its epilogue; key ["r"]. BLOCK_J is norm_block_r's (it sets the partial rows), not tuned. The
+# first tile was the fastest of twelve (or within 0.1 us of it) on an H100 at every 8B and 70B projection shape, at
+# r = 128 and 384 (docs/kernels.md).
 NORM_EPILOGUE = _pick(
     [
-        triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=4, num_stages=2),
+        triton.Config({"BLOCK_M": 32, "BLOCK_G": 32}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 64, "BLOCK_G": 32}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_G": 32}, num_warps=8, num_stages=3),
     ],
