@@ -87,13 +87,17 @@ def test_cli_build_builds_ahead(fake_cpp, capsys):
     assert len(fake_cpp) == 1 and native.name() in out.out
 
 
-def test_a_lock_left_by_a_stopped_build_is_removed_and_a_live_one_is_named(fake_cpp, tmp_path, capsys):
-    """A build stopped midway leaves torch's lock behind, on which every later build would wait forever: an old one
-    is removed (with a line saying so) before building; a recent one (another process's build) is named, with what to
-    do if no such build runs."""
+def test_a_stopped_builds_lock_is_removed_and_a_live_one_waited_for(fake_cpp, tmp_path, capsys, monkeypatch):
+    """A build stopped midway leaves torch's lock behind, on which torch would wait forever: an old one is removed
+    (with a line saying so) before building; a recent one (another process's build) is named, with what to do if no
+    such build runs, and waited for until it goes (the build then runs: here it finds no lock), saying every
+    ``LOCK_SAY_S`` that it still waits; one that grows old during the wait is removed then."""
     import os
+    import threading
     import time
 
+    monkeypatch.setattr(build, "LOCK_POLL_S", 0.02)
+    monkeypatch.setattr(build, "LOCK_SAY_S", 0.1)
     folder = tmp_path / native.name()
     folder.mkdir()
     lock = folder / "lock"
@@ -103,8 +107,44 @@ def test_a_lock_left_by_a_stopped_build_is_removed_and_a_live_one_is_named(fake_
     assert native.load() is not None and not lock.exists() and len(fake_cpp) == 1
     assert f"removing {lock}, left 11 min ago by a build that was stopped" in capsys.readouterr().err
 
-    native.reset()
-    (folder / f"{native.name()}.so").unlink()
-    lock.write_text("")  # fresh: another process is building
-    assert native.load() is not None and lock.exists() and len(fake_cpp) == 2  # (the fake build does not wait)
-    assert f"waiting for another process's build of {native.name()} ({lock}; if none runs" in capsys.readouterr().err
+    def rebuild():  # forget the first build; the fake build records whether it found the lock
+        native.reset()
+        (folder / f"{native.name()}.so").unlink(missing_ok=True)
+
+    seen = []
+    monkeypatch.setattr(build, "_compile", lambda path: seen.append((path / "lock").exists()) or object())
+    rebuild()
+    lock.write_text("")  # fresh: another process is building, and ends in 0.35 s
+    threading.Timer(0.35, lock.unlink).start()
+    t0 = time.monotonic()
+    assert native.load() is not None and seen == [False] and time.monotonic() - t0 >= 0.3
+    err = capsys.readouterr().err
+    assert f"waiting for another process's build of {native.name()} ({lock}; if none runs" in err
+    assert "or the wait ends when it is 10 min old" in err and f"still waiting for {lock}" in err
+    assert "removing" not in err
+
+    rebuild()
+    monkeypatch.setattr(build, "LOCK_STALE_S", 0.2)
+    lock.write_text("")  # fresh, and nobody removes it: a stopped build's, found young
+    assert native.load() is not None and seen == [False, False] and not lock.exists()
+    err = capsys.readouterr().err
+    assert "waiting for another process's build" in err and "by a build that was stopped" in err
+
+
+def test_two_copies_of_the_source_get_two_builds(monkeypatch, tmp_path):
+    """The name digests the source folder too: a checkout and an installed copy of the same source never share a
+    build (ninja would rebuild it for each in turn, silently, the source paths being part of its commands)."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    first = build.name()
+    monkeypatch.setattr(build, "CSRC", copy)
+    monkeypatch.setattr(build, "_SOURCES", [copy / p.name for p in build._SOURCES])
+    monkeypatch.setattr(build, "_HEADERS", [copy / p.name for p in build._HEADERS])
+    build.name.cache_clear()
+    try:
+        second = build.name()
+        assert second != first and second.rsplit("_", 1)[0] == first.rsplit("_", 1)[0]
+    finally:
+        build.name.cache_clear()

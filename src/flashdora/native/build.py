@@ -47,9 +47,14 @@ def failed() -> bool:
 
 @functools.cache
 def name() -> str:
-    """The extension's name: torch's version, Python's and a digest of the C++ source (a cached build of other
-    source, which ninja's timestamps alone might keep, is never loaded)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:10]
+    """The extension's name: torch's version, Python's and a digest of the C++ source and of the folder it is in
+    (a cached build of other source, which ninja's timestamps alone might keep, is never loaded; two copies of
+    flashdora, say a checkout and an installed wheel, each get their own build instead of rebuilding one another's
+    in turn, which ninja does without a word whenever the source paths differ)."""
+    h = hashlib.sha256(str(CSRC.resolve()).encode())
+    for p in (*_SOURCES, *_HEADERS):
+        h.update(p.read_bytes())
+    digest = h.hexdigest()[:10]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"flashdora_native_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{py}_{digest}"
 
@@ -84,7 +89,7 @@ def load(build: bool = True):
             file=sys.stderr,
             flush=True,
         )
-        _stopped_build(path)
+        _wait_for_lock(path)
     t0 = time.perf_counter()
     _module = _compile(path)
     _state = "loaded" if _module is not None else "failed"
@@ -95,31 +100,43 @@ def load(build: bool = True):
 
 
 LOCK_STALE_S = 600  # a build's lock older than this (a build takes a minute or two) is one a stopped build left
+LOCK_POLL_S = 1.0  # how often a wait for another process's build looks at its lock
+LOCK_SAY_S = 60  # how often that wait says it still waits
 
 
-def _stopped_build(path: Path) -> None:
-    """torch's build lock (``path / "lock"``, ``cpp_extension``'s ``FileBaton``) outlives a build stopped midway (an
-    interrupt, a killed job), and every later build waits on it forever. One older than ``LOCK_STALE_S`` is removed,
-    saying so; a younger one is another process's build: say what this process waits for, and how to end the wait."""
+def _wait_for_lock(path: Path) -> None:
+    """Wait while torch's build lock (``path / "lock"``, ``cpp_extension``'s ``FileBaton``) says another process
+    builds, then return. A lock outlives a build stopped midway (an interrupt, a killed job), and torch waits on it
+    forever: one older than ``LOCK_STALE_S`` (at once, or once it gets that old during the wait) is removed, saying
+    so. The wait says what it waits for, how to end it, and every ``LOCK_SAY_S`` that it still waits."""
     lock = path / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > LOCK_STALE_S:
-        print(
-            f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped",
-            file=sys.stderr,
-            flush=True,
-        )
-        lock.unlink(missing_ok=True)
-    else:
-        print(
-            f"flashdora: waiting for another process's build of {name()} ({lock}; if none runs, one was stopped "
-            "midway: delete that file)",
-            file=sys.stderr,
-            flush=True,
-        )
+    said = None
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            return  # no lock (or the other build finished)
+        if age > LOCK_STALE_S:
+            print(
+                f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+            lock.unlink(missing_ok=True)
+            return
+        now = time.monotonic()
+        if said is None:
+            print(
+                f"flashdora: waiting for another process's build of {name()} ({lock}; if none runs, one was stopped "
+                f"midway: delete that file, or the wait ends when it is {LOCK_STALE_S // 60} min old)",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = now
+        elif now - said >= LOCK_SAY_S:
+            print(f"flashdora: still waiting for {lock} ({age:.0f} s old)", file=sys.stderr, flush=True)
+            said = now
+        time.sleep(LOCK_POLL_S)
 
 
 def _compile(path: Path):
