@@ -96,9 +96,11 @@ COMPOSE_BWD = _pick(
     ],
     triton.Config({"BLOCK_M": 8, "BLOCK_N": 32}, num_warps=1),
 )
-# Tokens per backward program: a multiple of every BLOCK_M above; the split count aims at a few waves of programs.
+# Tokens per backward program: a multiple of every BLOCK_M above; the split count aims at about two programs per SM
+# (of 1, 2, 4, 8 and 16 timed on an H100, 2 took the least time per 8B and per 70B layer at 2048 and at 8192 tokens,
+# up to 14% off the fastest at single shapes: docs/kernels.md, "Split").
 COMPOSE_BWD_ROW_QUANTUM = 32
-COMPOSE_BWD_TARGET_PROGRAMS_PER_SM = 16
+COMPOSE_BWD_TARGET_PROGRAMS_PER_SM = 2
 COMPOSE_BWD_MIN_COL_BLOCK = 128  # the column block assumed when sizing the split (the smallest BLOCK_N above)
 
 # Factored norm of float32 weights: a GEMM [d_out, d_in] x [d_in, r] with the row-dot against B in its epilogue.
