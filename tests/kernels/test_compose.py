@@ -122,6 +122,23 @@ def test_kernels_read_the_scales_rows_at_their_stride(has_lx_base, device, poiso
             assert (got is None and want is None) or torch.equal(got, want)
 
 
+SPLIT_SHAPES = [(2, 200, 40), (132, 8192, 4096), (132, 4094, 11008), (132, 4096, 28672)]  # (SMs, tokens, d_out)
+
+
+@pytest.mark.parametrize("sms, tokens, d_out", SPLIT_SHAPES)
+def test_the_backward_splits_the_test_shapes_tokens(monkeypatch, sms, tokens, d_out):
+    """``test_compose_bwd``'s shapes with several tokens (the CPU's under the interpreter, which counts 2 SMs; the
+    GPU's on an H100's 132) give the backward several token ranges, so its partial sums and their fixed-order sum are
+    what that test checks, whatever ``COMPOSE_BWD_TARGET_PROGRAMS_PER_SM`` is."""
+    from flashdora.kernels import compose, configs
+
+    monkeypatch.setattr(configs, "sm_count", lambda device: sms)
+    monkeypatch.setattr(compose, "_BWD_SPLIT", {})
+    rows, like = compose._bwd_split(tokens, d_out, torch.zeros(3, d_out))
+    assert like.shape == (-(tokens // -rows), d_out) and like.shape[0] > 1
+    assert rows % configs.COMPOSE_BWD_ROW_QUANTUM == 0
+
+
 @pytest.mark.parametrize("lead, d_out", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("has_lx_base", [False, True], ids=["x", "lx_base"])
