@@ -317,8 +317,9 @@ _BWD_SPLIT: dict[tuple, tuple] = {}
 
 def _bwd_split(t: int, n: int, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
     """``(tokens per backward program, a stand-in shaped like the partial-sum buffer)`` for ``t`` tokens. The token
-    range is a multiple of every BLOCK_M, sized for a few waves; the stand-in is one element expanded to
-    ``[n_split, d_out]``, so ``torch.empty_like`` of it allocates the buffer cheaply on the host."""
+    range is a multiple of every BLOCK_M, sized for ``configs.COMPOSE_BWD_TARGET_PROGRAMS_PER_SM`` programs an SM;
+    the stand-in is one element expanded to ``[n_split, d_out]``, so ``torch.empty_like`` of it allocates the buffer
+    cheaply on the host."""
     key = (t, n, scales.dtype, scales.device)
     hit = _BWD_SPLIT.get(key)
     if hit is not None:
