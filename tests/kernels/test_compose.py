@@ -1,5 +1,7 @@
 """Triton compose forward/backward vs float64 references and the eager twins; the full op on the Triton path."""
 
+import math
+
 import pytest
 import torch
 
@@ -122,16 +124,21 @@ def test_kernels_read_the_scales_rows_at_their_stride(has_lx_base, device, poiso
             assert (got is None and want is None) or torch.equal(got, want)
 
 
-SPLIT_SHAPES = [(2, 200, 40), (132, 8192, 4096), (132, 4094, 11008), (132, 4096, 28672)]  # (SMs, tokens, d_out)
+# SHAPES without their GPU mark (the split is host arithmetic), with the SMs they meet: 2 under the interpreter, an
+# H100's 132 for the GPU's
+SPLIT_CASES = [pytest.param(*p.values, 132 if p.marks else 2, id=p.id) for p in SHAPES]
 
 
-@pytest.mark.parametrize("sms, tokens, d_out", SPLIT_SHAPES)
-def test_the_backward_splits_the_test_shapes_tokens(monkeypatch, sms, tokens, d_out):
-    """``test_compose_bwd``'s shapes with several tokens (the CPU's under the interpreter, which counts 2 SMs; the
-    GPU's on an H100's 132) give the backward several token ranges, so its partial sums and their fixed-order sum are
-    what that test checks, whatever ``COMPOSE_BWD_TARGET_PROGRAMS_PER_SM`` is."""
+@pytest.mark.parametrize("lead, d_out, sms", SPLIT_CASES)
+def test_the_backward_splits_the_test_shapes_tokens(monkeypatch, lead, d_out, sms):
+    """``test_compose_bwd``'s shapes with more tokens than one program's range (the CPU's under the interpreter,
+    which counts 2 SMs; the GPU's on an H100's 132) give the backward several token ranges, so its partial sums and
+    their fixed-order sum are what that test checks, whatever ``COMPOSE_BWD_TARGET_PROGRAMS_PER_SM`` is."""
     from flashdora.kernels import compose, configs
 
+    tokens = math.prod(lead)
+    if tokens <= configs.COMPOSE_BWD_ROW_QUANTUM:
+        pytest.skip("one program's range of tokens")
     monkeypatch.setattr(configs, "sm_count", lambda device: sms)
     monkeypatch.setattr(compose, "_BWD_SPLIT", {})
     rows, like = compose._bwd_split(tokens, d_out, torch.zeros(3, d_out))
