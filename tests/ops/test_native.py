@@ -54,6 +54,38 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same math, op for op
 
 
+@pytest.mark.parametrize(("r", "kept"), [(3, True), (4, False)])
+def test_cpu_node_reads_lora_B_as_the_forward_cast_it_where_small(ext, r, kept):
+    """bf16 matmuls on a float32 lora_B: the backward's ``s gdy B`` reads lora_B as the forward kernel read it (cast
+    to bf16 first) where that adds at most a quarter to what the node saves (``keep_casts``: 4 r <= T, 14 tokens
+    here), and casts lora_B again otherwise. Handed the true cast, every gradient is the one without it, bit for
+    bit; handed a wrong one (2 B, exactly), the LoRA A side's gradients move exactly where it is kept and lora_B's
+    own version is still checked."""
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.bfloat16, torch.float32, r=r)
+    scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
+    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+
+    def grads(b=None, bump=False):
+        result, a = F.linear(x, w), F.linear(x, lora_A.to(torch.bfloat16))
+        with torch.no_grad():
+            y, inner = C._fwd(result, a, None, None, lora_B, scales, 0.5, torch.bfloat16, True, False)
+        ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 0.5, b=b)
+        if bump:
+            with torch.no_grad():
+                lora_B.add_(0.0)
+        return torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+
+    plain = grads()
+    for got, want in zip(grads(lora_B.detach().to(torch.bfloat16)), plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    wrong = grads((2 * lora_B.detach()).to(torch.bfloat16))
+    for name, got, want in zip(("x", "lora_A", "lora_B", "magnitude"), wrong, plain, strict=True):
+        moved = name in ("x", "lora_A") and kept
+        assert torch.equal(got, want) != moved, name
+    with pytest.raises(RuntimeError, match="lora_B was modified by an inplace operation"):
+        grads(lora_B.detach().to(torch.bfloat16), bump=True)
+
+
 def test_cpu_node_checks(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]

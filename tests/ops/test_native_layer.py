@@ -90,6 +90,41 @@ def test_cpu_node_with_16_bit_matmuls_and_float32_adapters(ext):
     assert got[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize(("r", "kept"), [(3, True), (4, False)])
+def test_cpu_node_reads_the_adapters_as_the_forward_cast_them_where_small(ext, r, kept):
+    """bf16 matmuls on float32 adapters: the backward's ``da A`` and ``s gdy B`` read lora_A and lora_B as the
+    forward cast them where they add at most a quarter to what the node saves (``keep_casts``: 4 r <= T, 14 tokens
+    here), and cast them again otherwise. Handed the true casts, every gradient is the one without them, bit for bit;
+    handed wrong ones (2 A and 2 B, exactly), x's gradient (both) and lora_A's (B) move exactly where they are kept;
+    lora_A's version is still checked."""
+    x, w, b, _, _, _ = _inputs(torch.bfloat16, r=r)
+    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, r=r)
+    scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
+    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+
+    def grads(a_cast=None, b_cast=None, bump=False):
+        with torch.no_grad():
+            result, a = F.linear(x, w, b), F.linear(x, lora_A.to(bf16))
+            y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, bf16, True, False)
+        ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5, a_cast=a_cast, b=b_cast)
+        if bump:
+            with torch.no_grad():
+                lora_A.add_(0.0)
+        return torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+
+    plain = grads()
+    true = grads(lora_A.detach().to(bf16), lora_B.detach().to(bf16))
+    for got, want in zip(true, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    wrong = grads((2 * lora_A.detach()).to(bf16), (2 * lora_B.detach()).to(bf16))
+    for name, got, want in zip(("x", "lora_A", "lora_B", "magnitude"), wrong, plain, strict=True):
+        moved = name in ("x", "lora_A") and kept
+        assert torch.equal(got, want) != moved, name
+    with pytest.raises(RuntimeError, match="lora_A was modified by an inplace operation"):
+        grads(lora_A.detach().to(bf16), lora_B.detach().to(bf16), bump=True)
+
+
 def test_cpu_node_skips_what_needs_no_gradient_and_checks_versions(ext):
     """An input that needs no gradient gets none (a frozen x, a frozen lora_A); the base weight, lora_A and lora_B
     modified in place between the forward and the backward fail the backward with the tensor's name, as autograd's
@@ -220,6 +255,45 @@ def test_gpu_layer_call_gives_the_split_paths_values(ext, monkeypatch, bias, che
     for name, g in grads.items():
         torch.testing.assert_close(g, grads_split[name], rtol=0, atol=0, msg=name)
     assert (dx - dx_split).float().norm() <= 4e-3 * dx_split.float().norm()
+
+
+@pytest.mark.gpu
+def test_gpu_both_nodes_read_the_forwards_casts(ext, monkeypatch):
+    """Where the forward casts lora_B to bf16 first (8192 tokens on a float32 [4096, 64] lora_B: ``cast_b_first``),
+    the compose's node (``native/native/module``) and the layer's (``native/native/native``) read the forward's casts
+    of lora_B (and the layer's of lora_A) in the backward: output and LoRA gradients are the Triton path's (native
+    off: cast again in the backward) bit for bit, x's too for the compose's node and within one rounding for the
+    layer's (its two products added inside one GEMM)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 4096, bias=False)).to(device="cuda", dtype=torch.bfloat16)
+    cfg = LoraConfig(r=64, lora_alpha=32, use_dora=True, target_modules=["0"], init_lora_weights=False)
+    model = flashdora.enable(get_peft_model(net, cfg))
+    layer = model.base_model.model[0]
+    assert layer.lora_B["default"].weight.dtype == torch.float32
+    x = torch.randn(1, 8192, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, 8192, 4096, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(native.build, "_module", ext)
+    runs = {}
+    for mode, want in (("triton", ("triton", "triton", "module")), ("split", ("native", "native", "module")),
+                       ("layer", ("native", "native", "native"))):  # fmt: skip
+        monkeypatch.setenv("FLASHDORA_NATIVE", "0" if mode == "triton" else "1")
+        monkeypatch.setattr(variant, "FUSE", mode == "layer")
+        for _ in range(2):  # (the first call of a route files its plans)
+            x.grad = None
+            torch.full((256 * 2**20,), float("nan"), device="cuda")  # freed at once: the next allocations reuse NaNs
+            runs[mode] = _run(model, x, dy)
+        assert dispatch.last_route(layer, "default")[:3] == want, mode
+    y, dx, grads = runs["triton"]
+    assert not y.isnan().any() and len(grads) == 3
+    for mode in ("split", "layer"):
+        y_m, dx_m, grads_m = runs[mode]
+        torch.testing.assert_close(y_m, y, rtol=0, atol=0, msg=mode)
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_m[name], g, rtol=0, atol=0, msg=f"{mode} {name}")
+    torch.testing.assert_close(runs["split"][1], dx, rtol=0, atol=0)
+    assert (runs["layer"][1] - dx).float().norm() <= 4e-3 * dx.float().norm()
 
 
 @pytest.mark.gpu

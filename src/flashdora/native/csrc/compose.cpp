@@ -95,7 +95,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::eage
 }
 
 at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type) const {
-  at::Tensor b = lora_B_.scalar_type() == type ? lora_B_ : lora_B_.to(type);
+  at::Tensor b = lora_B_.scalar_type() == type                                   ? lora_B_
+                 : lora_B_cast_.defined() && lora_B_cast_.scalar_type() == type ? lora_B_cast_
+                                                                                 : lora_B_.to(type);
   return alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
 }
 
@@ -124,13 +126,16 @@ void ComposeBackward::release_variables() {
   a_.reset_data();
   inner_.reset_data();
   scales_.reset();
+  lora_B_cast_.reset();
 }
 
 void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& inner,
-               const at::Tensor& scales, double scaling, bool lx_base) {
+               const at::Tensor& scales, double scaling, bool lx_base, const at::Tensor& b) {
   node.a_ = SavedVariable(a, false);
   node.inner_ = SavedVariable(inner, false);
   node.lora_B_ = lora_B;
+  const int64_t r = a.size(-1);
+  if (b.scalar_type() != lora_B.scalar_type() && r > 0 && keep_casts(a.numel() / r, r)) node.lora_B_cast_ = b;
   node.b_version_ = lora_B._version();
   node.scales_ = scales;
   node.lx_base_ = lx_base;
@@ -203,8 +208,8 @@ using namespace flashdora_native;
 // A node of type T with the edges and saved state both node types share (set_history hangs it on y); `scaling`
 // goes on the LoRA GEMMs' alpha without lx_base, on dy before g with it.
 template <typename T>
-auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& magnitude,
-              const at::Tensor& inner, const at::Tensor& scales, double scaling,
+auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& b,
+              const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling,
               const std::optional<at::Tensor>& lx_base = std::nullopt) {
   auto node = make_node<T>();
   if (lx_base) {
@@ -212,16 +217,16 @@ auto new_node(const at::Tensor& result, const at::Tensor& a, const at::Tensor& l
   } else {
     node->set_next_edges(torch::autograd::collect_next_edges(result, a, lora_B, magnitude));
   }
-  fill_node(*node, a, lora_B, inner, scales, scaling, lx_base.has_value());
+  fill_node(*node, a, lora_B, inner, scales, scaling, lx_base.has_value(), b);
   return node;
 }
 
 // Hang a ComposeBackward launching `plan` on `y` (fresh, from the fused forward kernel): its inputs are result, a,
-// lora_B, magnitude (and lx_base).
+// lora_B, magnitude (and lx_base); `b`: lora_B as the kernel read it.
 void hang_node(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
-               const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling, Plan plan,
-               const std::optional<at::Tensor>& lx_base = std::nullopt) {
-  auto node = new_node<ComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling, lx_base);
+               const at::Tensor& b, const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales,
+               double scaling, Plan plan, const std::optional<at::Tensor>& lx_base = std::nullopt) {
+  auto node = new_node<ComposeBackward>(result, a, lora_B, b, magnitude, inner, scales, scaling, lx_base);
   node->plan_ = std::move(plan);
   torch::autograd::set_history(y, node);
 }
@@ -281,7 +286,7 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
   launch_forward(*fwd, result, a, b, lx_base ? &*lx_base : nullptr, bias ? &bias_c : nullptr, scales, y, inner,
                  scaling);
-  if (train) hang_node(y, result, a, lora_B, magnitude, inner, scales, scaling, *bwd, lx_base);
+  if (train) hang_node(y, result, a, lora_B, b, magnitude, inner, scales, scaling, *bwd, lx_base);
   return py::cast(y);
 }
 
@@ -318,9 +323,9 @@ struct EagerComposeBackward : public ComposeBackward {
 
 void attach_eager(at::Tensor y, const at::Tensor& result, const at::Tensor& a, const at::Tensor& lora_B,
                   const at::Tensor& magnitude, const at::Tensor& inner, const at::Tensor& scales, double scaling,
-                  const std::optional<at::Tensor>& lx_base) {
-  torch::autograd::set_history(
-      y, new_node<EagerComposeBackward>(result, a, lora_B, magnitude, inner, scales, scaling, lx_base));
+                  const std::optional<at::Tensor>& lx_base, const std::optional<at::Tensor>& b) {
+  torch::autograd::set_history(y, new_node<EagerComposeBackward>(result, a, lora_B, b ? *b : lora_B, magnitude, inner,
+                                                                 scales, scaling, lx_base));
 }
 
 }  // namespace
@@ -342,5 +347,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flashdora_native::add_layer(m);
   m.def("attach_eager", &attach_eager, "the same node with ATen math instead of the kernel (CPU tests)",
         py::arg("y"), py::arg("result"), py::arg("a"), py::arg("lora_B"), py::arg("magnitude"), py::arg("inner"),
-        py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none());
+        py::arg("scales"), py::arg("scaling"), py::arg("lx_base") = py::none(), py::arg("b") = py::none());
 }

@@ -36,6 +36,11 @@ inline bool cast_b_first(const at::Tensor& lora_B, int64_t t, c10::ScalarType cd
          (lora_B.numel() >= kCastBFirst || (t * lora_B.numel() >= kCastBWork && lora_B.size(-1) > kFusedSmallR));
 }
 
+// Whether a node keeps the forward's casts of lora_A and lora_B to the matmul dtype (r x d_in, d_out x r) for its
+// backward instead of casting them again there: where they add at most about a quarter to the [T, r + d_out (+ d_in)]
+// it saves anyway (4 r <= T). PEFT LoRA's matmul nodes keep theirs at any T.
+inline bool keep_casts(int64_t t, int64_t r) { return 4 * r <= t; }
+
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>
 auto make_node() {
@@ -57,6 +62,7 @@ at::Tensor zero_like(const at::Tensor& a);
 struct ComposeBackward : public Node {
   SavedVariable a_, inner_;
   at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
+  at::Tensor lora_B_cast_;             // lora_B as the forward cast it to the matmul dtype (`keep_casts`), or none
   uint32_t b_version_ = 0;
   double alpha_ = 1.0;      // the LoRA GEMMs' alpha
   double gdy_scale_ = 1.0;  // the kernel's factor on dy before g
@@ -112,8 +118,9 @@ void launch_forward(const Plan& plan, const at::Tensor& result, const at::Tensor
                     const at::Tensor* lx_base, const at::Tensor* bias, const at::Tensor& scales, const at::Tensor& y,
                     const at::Tensor& inner, double scaling);
 
-// Fill `node`'s ComposeBackward state (not its edges).
+// Fill `node`'s ComposeBackward state (not its edges). `b`: lora_B as the forward kernel read it (a cast copy, kept
+// for the backward where `keep_casts` says so; lora_B itself otherwise).
 void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& inner,
-               const at::Tensor& scales, double scaling, bool lx_base);
+               const at::Tensor& scales, double scaling, bool lx_base, const at::Tensor& b);
 
 }  // namespace flashdora_native

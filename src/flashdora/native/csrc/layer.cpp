@@ -6,7 +6,8 @@
 // and one node does the whole backward:
 //   gdy, dm: the compose-backward kernel; dB = s gdy^T a; da = s gdy B; dA = da^T x; dx = gdy W + da A
 // (dx in one buffer: addmm on gdy W). Same values as the split path's ops (the same GEMMs on the same operands), except
-// dx, whose two products are added inside the second GEMM instead of by autograd.
+// dx, whose two products are added inside the second GEMM instead of by autograd. The forward's casts of float32
+// adapters to the matmul dtype serve the backward where they are small next to what the node saves (`keep_casts`).
 //
 // It takes a call only where nothing could tell: the base's weight and bias frozen, x and the weight in the matmul
 // dtype (nothing to cast or to keep cast), and the plans of both kernels filed; peft/layers.py checks the rest (no
@@ -30,6 +31,7 @@ using namespace flashdora_native;
 struct LayerBackward : public ComposeBackward {
   SavedVariable x_;             // (saved only where lora_A trains: dA alone reads it)
   at::Tensor weight_, lora_A_;  // (parameters: held, not saved; their versions checked where dx reads them)
+  at::Tensor lora_A_cast_;      // lora_A as the forward cast it to the matmul dtype (`keep_casts`), or none
   uint32_t w_version_ = 0, a_version_ = 0;
   std::vector<int64_t> x_sizes_;
   c10::ScalarType cd_ = at::kBFloat16;  // the matmul dtype: x's, the weight's, a's
@@ -68,7 +70,7 @@ struct LayerBackward : public ComposeBackward {
       }
       if (should_compute_output(0)) {  // gdy W + da A: [T, d_in]
         at::Tensor dx = at::mm(gdy2, weight_);
-        dx.addmm_(da, lora_A_.scalar_type() == cd_ ? lora_A_ : lora_A_.to(cd_));
+        dx.addmm_(da, lora_A_.scalar_type() == cd_ ? lora_A_ : lora_A_cast_.defined() ? lora_A_cast_ : lora_A_.to(cd_));
         out[0] = dx.view(x_sizes_);
       }
     }
@@ -78,6 +80,7 @@ struct LayerBackward : public ComposeBackward {
   void release_variables() override {
     ComposeBackward::release_variables();
     x_.reset_data();
+    lora_A_cast_.reset();
   }
 };
 
@@ -89,14 +92,18 @@ struct EagerLayerBackward : public LayerBackward {
   }
 };
 
-// A LayerBackward of type T for y = layer(x), with its edges (x, lora_A, lora_B, magnitude) and saved state.
+// A LayerBackward of type T for y = layer(x), with its edges (x, lora_A, lora_B, magnitude) and saved state. `a_cast`,
+// `b`: lora_A as the forward cast it (undefined where it did not) and lora_B as the kernel read it (kept where
+// `keep_casts` says so).
 template <typename T>
 void hang(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_A,
           const at::Tensor& lora_B, const at::Tensor& magnitude, const at::Tensor& a, const at::Tensor& inner,
-          const at::Tensor& scales, double scaling, const Plan* plan) {
+          const at::Tensor& scales, double scaling, const Plan* plan, const at::Tensor& a_cast, const at::Tensor& b) {
   auto node = make_node<T>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, lora_A, lora_B, magnitude));
-  fill_node(*node, a, lora_B, inner, scales, scaling, false);
+  fill_node(*node, a, lora_B, inner, scales, scaling, false, b);
+  const int64_t r = a.size(-1);
+  if (a_cast.defined() && x.requires_grad() && r > 0 && keep_casts(a.numel() / r, r)) node->lora_A_cast_ = a_cast;
   if (lora_A.requires_grad()) node->x_ = SavedVariable(x, false);  // (read by dA alone)
   node->x_sizes_ = x.sizes().vec();
   node->weight_ = weight;
@@ -152,26 +159,30 @@ py::object layer_forward(const at::Tensor& x, const at::Tensor& weight, const st
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
   at::Tensor inner = train ? at::empty_like(y) : y;
-  at::Tensor a;
+  at::Tensor a, a_cast, b;
   {
     at::AutoGradMode no_grad(false);  // (recorded by the node below, not op by op)
     const at::Tensor x2 = x.view({t, k});
     // The base layer's F.linear as it runs on this 2-D view (autocast casts a float32 bias as it would there), and
     // a = x A^T with A cast here (under autocast without grad, autocast would cache a copy with no history).
     at::Tensor result = bias ? at::addmm(bias_c, x2, weight.t()) : at::mm(x2, weight.t());
-    a = at::mm(x2, lora_A.scalar_type() == cd ? lora_A.t() : lora_A.to(cd).t());
-    at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
+    if (lora_A.scalar_type() != cd) a_cast = lora_A.to(cd);
+    a = at::mm(x2, a_cast.defined() ? a_cast.t() : lora_A.t());
+    b = cast_b ? lora_B.to(cd) : lora_B;
     launch_forward(*fwd, result, a, b, nullptr, bias ? &bias_c : nullptr, scales, y, inner, scaling);
   }
-  if (train) hang<LayerBackward>(y, x, weight, lora_A, lora_B, magnitude, a, inner, scales, scaling, bwd);
+  if (train) hang<LayerBackward>(y, x, weight, lora_A, lora_B, magnitude, a, inner, scales, scaling, bwd, a_cast, b);
   return py::cast(y);
 }
 
 // The node with ATen math for the compose kernel, on y computed by the caller (the CPU tests of its wiring).
+// `a_cast`, `b`: the forward's casts of lora_A and lora_B, as layer_forward hands them to the node.
 void attach_layer_eager(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_A,
                         const at::Tensor& lora_B, const at::Tensor& magnitude, const at::Tensor& a,
-                        const at::Tensor& inner, const at::Tensor& scales, double scaling) {
-  hang<EagerLayerBackward>(y, x, weight, lora_A, lora_B, magnitude, a, inner, scales, scaling, nullptr);
+                        const at::Tensor& inner, const at::Tensor& scales, double scaling,
+                        const std::optional<at::Tensor>& a_cast, const std::optional<at::Tensor>& b) {
+  hang<EagerLayerBackward>(y, x, weight, lora_A, lora_B, magnitude, a, inner, scales, scaling, nullptr,
+                           a_cast ? *a_cast : at::Tensor(), b ? *b : lora_B);
 }
 
 }  // namespace
@@ -185,7 +196,8 @@ void add_layer(pybind11::module_& m) {
         py::arg("scales"), py::arg("scaling"));
   m.def("attach_layer_eager", &attach_layer_eager, "the layer's node with ATen math for the kernel (CPU tests)",
         py::arg("y"), py::arg("x"), py::arg("weight"), py::arg("lora_A"), py::arg("lora_B"), py::arg("magnitude"),
-        py::arg("a"), py::arg("inner"), py::arg("scales"), py::arg("scaling"));
+        py::arg("a"), py::arg("inner"), py::arg("scales"), py::arg("scaling"), py::arg("a_cast") = py::none(),
+        py::arg("b") = py::none());
 }
 
 }  // namespace flashdora_native
