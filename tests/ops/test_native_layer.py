@@ -125,6 +125,42 @@ def test_cpu_node_reads_the_adapters_as_the_forward_cast_them_where_small(ext, r
         grads(lora_A.detach().to(bf16), lora_B.detach().to(bf16), bump=True)
 
 
+def test_cpu_node_saves_the_casts_as_checkpointing_sees_them(ext):
+    """The kept casts are saved tensors, not members: under non-reentrant checkpointing the forward keeps none of
+    them (they would otherwise live from every layer's forward to its backward), and the backward gets them from the
+    recomputation, with the gradients of the call without checkpointing."""
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, b, _, _, _ = _inputs(torch.bfloat16, r=3)
+    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, r=3)
+    scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
+    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    casts = []
+
+    def layer(x):
+        a_cast, b_cast = lora_A.detach().to(torch.bfloat16), lora_B.detach().to(torch.bfloat16)
+        casts.extend((weakref.ref(a_cast), weakref.ref(b_cast)))
+        with torch.no_grad():
+            result, a = F.linear(x, w, b), F.linear(x, a_cast)
+            y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, torch.bfloat16, True, False)
+        ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5, a_cast=a_cast, b=b_cast)
+        return y
+
+    y = layer(x)
+    assert all(ref() is not None for ref in casts)  # held by the graph until its backward
+    want = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+    assert all(ref() is None for ref in casts)  # (and freed by it)
+    casts.clear()
+    y = checkpoint(layer, x, use_reentrant=False)
+    assert len(casts) == 2 and all(ref() is None for ref in casts)
+    got = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
+    assert len(casts) == 4  # (recomputed)
+    for g, ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
 def test_cpu_node_skips_what_needs_no_gradient_and_checks_versions(ext):
     """An input that needs no gradient gets none (a frozen x, a frozen lora_A); the base weight, lora_A and lora_B
     modified in place between the forward and the backward fail the backward with the tensor's name, as autograd's

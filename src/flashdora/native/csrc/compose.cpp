@@ -46,7 +46,7 @@ at::Tensor zero_like(const at::Tensor& a) {
   return it->second;
 }
 
-std::pair<at::Tensor, at::Tensor> ComposeBackward::unpack_saved() {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ComposeBackward::unpack_saved() {
   // create_graph=True: this node keeps no edge from inner to its producers, so it refuses (ops/compose_grad2.py
   // REFUSED, the same words); forwards under flashdora.double_backward() never take the C++ path.
   TORCH_CHECK(!at::GradMode::is_enabled(),
@@ -62,7 +62,7 @@ std::pair<at::Tensor, at::Tensor> ComposeBackward::unpack_saved() {
                   std::to_string(b_version_) + " -> " + std::to_string(lora_B_._version()) +
                   "); the backward needs the values the forward used");
   auto self = getptr();
-  return {a_.unpack(self), inner_.unpack(self)};
+  return {a_.unpack(self), inner_.unpack(self), b_cast_.unpack(self)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::kernel(const at::Tensor& grad,
@@ -94,17 +94,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::eage
   return {dy, gdy, d_lx, dm};
 }
 
-at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type) const {
-  at::Tensor b = lora_B_.scalar_type() == type                                   ? lora_B_
-                 : lora_B_cast_.defined() && lora_B_cast_.scalar_type() == type ? lora_B_cast_
-                                                                                 : lora_B_.to(type);
+at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type, const at::Tensor& b_cast) const {
+  at::Tensor b = lora_B_.scalar_type() == type                       ? lora_B_
+                 : b_cast.defined() && b_cast.scalar_type() == type ? b_cast
+                                                                     : lora_B_.to(type);
   return alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
 }
 
 variable_list ComposeBackward::apply(variable_list&& grads) {
   variable_list out(lx_base_ ? 5 : 4);
   if (!grads[0].defined()) return out;
-  auto [a, inner] = unpack_saved();
+  auto [a, inner, b_cast] = unpack_saved();
   auto [dy, gdy, d_lx, dm] = kernel(grads[0], inner);
   const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
   if (should_compute_output(0)) out[0] = lx_base_ ? dy : gdy;
@@ -117,7 +117,7 @@ variable_list ComposeBackward::apply(variable_list&& grads) {
       at::Tensor a2 = a.view({t, r});
       out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
     }
-    if (should_compute_output(1)) out[1] = d_a(gdy2, a.scalar_type()).view(a.sizes());  // s gdy B: [T, r]
+    if (should_compute_output(1)) out[1] = d_a(gdy2, a.scalar_type(), b_cast).view(a.sizes());  // s gdy B: [T, r]
   }
   return out;
 }
@@ -126,7 +126,7 @@ void ComposeBackward::release_variables() {
   a_.reset_data();
   inner_.reset_data();
   scales_.reset();
-  lora_B_cast_.reset();
+  b_cast_.reset_data();
 }
 
 void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lora_B, const at::Tensor& inner,
@@ -135,7 +135,9 @@ void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lor
   node.inner_ = SavedVariable(inner, false);
   node.lora_B_ = lora_B;
   const int64_t r = a.size(-1);
-  if (b.scalar_type() != lora_B.scalar_type() && r > 0 && keep_casts(a.numel() / r, r)) node.lora_B_cast_ = b;
+  if (b.scalar_type() != lora_B.scalar_type() && r > 0 && keep_casts(a.numel() / r, r)) {
+    node.b_cast_ = SavedVariable(b, false);
+  }
   node.b_version_ = lora_B._version();
   node.scales_ = scales;
   node.lx_base_ = lx_base;

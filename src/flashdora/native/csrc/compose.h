@@ -62,7 +62,8 @@ at::Tensor zero_like(const at::Tensor& a);
 struct ComposeBackward : public Node {
   SavedVariable a_, inner_;
   at::Tensor lora_B_, scales_, zero_;  // (not saved variables: no saved-tensor hooks; lora_B's version checked here)
-  at::Tensor lora_B_cast_;             // lora_B as the forward cast it to the matmul dtype (`keep_casts`), or none
+  SavedVariable b_cast_;  // lora_B as the forward cast it to the matmul dtype (`keep_casts`), or none; saved, so that
+                          // checkpointing drops it with the rest until its recomputation
   uint32_t b_version_ = 0;
   double alpha_ = 1.0;      // the LoRA GEMMs' alpha
   double gdy_scale_ = 1.0;  // the kernel's factor on dy before g
@@ -70,8 +71,8 @@ struct ComposeBackward : public Node {
   Plan plan_;
 
   std::string name() const override { return "FlashDoraComposeBackward"; }
-  // (a, inner), after the checks the Python path makes.
-  std::pair<at::Tensor, at::Tensor> unpack_saved();
+  // (a, inner, lora_B's cast or an undefined tensor), after the checks the Python path makes.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_saved();
   // The compose-backward kernel on dy: (dy as launched, gdy, d_lx_base (gdy without lx_base), dm). Virtual: the CPU
   // tests' twins compute the same in ATen.
   virtual std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kernel(const at::Tensor& grad,
@@ -79,8 +80,8 @@ struct ComposeBackward : public Node {
   // The same in ATen (the CPU tests' twins override `kernel` with it).
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eager_kernel(const at::Tensor& grad,
                                                                           const at::Tensor& inner) const;
-  // s gdy B, [T, r] in a's dtype (gdy2: [T, n] in a's dtype).
-  at::Tensor d_a(const at::Tensor& gdy2, c10::ScalarType type) const;
+  // s gdy B, [T, r] in a's dtype (gdy2: [T, n] in a's dtype; b_cast: lora_B's kept cast, or undefined).
+  at::Tensor d_a(const at::Tensor& gdy2, c10::ScalarType type, const at::Tensor& b_cast) const;
   variable_list apply(variable_list&& grads) override;
   void release_variables() override;
 };

@@ -31,7 +31,7 @@ using namespace flashdora_native;
 struct LayerBackward : public ComposeBackward {
   SavedVariable x_;             // (saved only where lora_A trains: dA alone reads it)
   at::Tensor weight_, lora_A_;  // (parameters: held, not saved; their versions checked where dx reads them)
-  at::Tensor lora_A_cast_;      // lora_A as the forward cast it to the matmul dtype (`keep_casts`), or none
+  SavedVariable a_cast_;        // lora_A as the forward cast it to the matmul dtype (`keep_casts`), or none
   uint32_t w_version_ = 0, a_version_ = 0;
   std::vector<int64_t> x_sizes_;
   c10::ScalarType cd_ = at::kBFloat16;  // the matmul dtype: x's, the weight's, a's
@@ -52,7 +52,7 @@ struct LayerBackward : public ComposeBackward {
   variable_list apply(variable_list&& grads) override {
     variable_list out(4);  // x, lora_A, lora_B, magnitude
     if (!grads[0].defined()) return out;
-    auto [a, inner] = unpack_saved();
+    auto [a, inner, b_cast] = unpack_saved();
     if (should_compute_output(0)) check_versions();  // (dx reads both again; nothing else reads either)
     auto [dy, gdy, d_lx, dm] = kernel(grads[0], inner);
     const int64_t n = dy.size(-1), t = dy.numel() / n, r = a.size(-1);
@@ -63,14 +63,15 @@ struct LayerBackward : public ComposeBackward {
       out[2] = alpha_ == 1.0 ? at::mm(gdy2.t(), a2) : at::addmm(zero_, gdy2.t(), a2, 0, alpha_);
     }
     if (should_compute_output(0) || should_compute_output(1)) {
-      at::Tensor da = d_a(gdy2, cd_);  // s gdy B: [T, r]
+      at::Tensor da = d_a(gdy2, cd_, b_cast);  // s gdy B: [T, r]
       if (should_compute_output(1)) {  // da^T x: [r, d_in] (autograd casts it to lora_A's dtype)
         at::Tensor x = x_.unpack(getptr());
         out[1] = at::mm(da.t(), x.view({t, x.size(-1)}));
       }
       if (should_compute_output(0)) {  // gdy W + da A: [T, d_in]
         at::Tensor dx = at::mm(gdy2, weight_);
-        dx.addmm_(da, lora_A_.scalar_type() == cd_ ? lora_A_ : lora_A_cast_.defined() ? lora_A_cast_ : lora_A_.to(cd_));
+        at::Tensor a_cast = a_cast_.unpack(getptr());
+        dx.addmm_(da, lora_A_.scalar_type() == cd_ ? lora_A_ : a_cast.defined() ? a_cast : lora_A_.to(cd_));
         out[0] = dx.view(x_sizes_);
       }
     }
@@ -80,7 +81,7 @@ struct LayerBackward : public ComposeBackward {
   void release_variables() override {
     ComposeBackward::release_variables();
     x_.reset_data();
-    lora_A_cast_.reset();
+    a_cast_.reset_data();
   }
 };
 
@@ -103,7 +104,9 @@ void hang(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, co
   node->set_next_edges(torch::autograd::collect_next_edges(x, lora_A, lora_B, magnitude));
   fill_node(*node, a, lora_B, inner, scales, scaling, false, b);
   const int64_t r = a.size(-1);
-  if (a_cast.defined() && x.requires_grad() && r > 0 && keep_casts(a.numel() / r, r)) node->lora_A_cast_ = a_cast;
+  if (a_cast.defined() && x.requires_grad() && r > 0 && keep_casts(a.numel() / r, r)) {
+    node->a_cast_ = SavedVariable(a_cast, false);
+  }
   if (lora_A.requires_grad()) node->x_ = SavedVariable(x, false);  // (read by dA alone)
   node->x_sizes_ = x.sizes().vec();
   node->weight_ = weight;
