@@ -54,16 +54,16 @@ def test_cpu_node_matches_python_function(ext, dtype, dropout, s):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same math, op for op
 
 
-@pytest.mark.parametrize(("r", "kept"), [(3, True), (4, False)])
-def test_cpu_node_reads_lora_B_as_the_forward_cast_it_where_small(ext, r, kept):
+@pytest.mark.parametrize(("r", "kept"), [(33, True), (32, False), (36, False)], ids=["kept", "small-r", "few-tokens"])
+def test_cpu_node_reads_lora_B_as_the_forward_cast_it(ext, r, kept):
     """bf16 matmuls on a float32 lora_B: the backward's ``s gdy B`` reads lora_B as the forward kernel read it (cast
-    to bf16 first) where that adds at most a quarter to what the node saves (``keep_casts``: 4 r <= T, 14 tokens
-    here), and casts lora_B again otherwise. Handed the true cast, every gradient is the one without it, bit for
-    bit; handed a wrong one (2 B, exactly), the LoRA A side's gradients move exactly where it is kept and lora_B's
-    own version is still checked."""
-    x, w, lora_A, lora_B, mag = _layer("cpu", torch.bfloat16, torch.float32, r=r)
+    to bf16 first) above rank 32 where that adds at most a quarter to what the node saves (``keep_casts``: 4 r <= T,
+    140 tokens here), and casts lora_B again otherwise. Handed the true cast, every gradient is the one without it,
+    bit for bit; handed a wrong one (2 B, exactly), the LoRA A side's gradients move exactly where it is kept, and
+    lora_B's own version is still checked."""
+    x, w, lora_A, lora_B, mag = _layer("cpu", torch.bfloat16, torch.float32, t=70, r=r)
     scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
-    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    dy = torch.randn(2, 70, 40, dtype=torch.bfloat16)
 
     def grads(b=None, bump=False):
         result, a = F.linear(x, w), F.linear(x, lora_A.to(torch.bfloat16))

@@ -90,17 +90,17 @@ def test_cpu_node_with_16_bit_matmuls_and_float32_adapters(ext):
     assert got[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize(("r", "kept"), [(3, True), (4, False)])
-def test_cpu_node_reads_the_adapters_as_the_forward_cast_them_where_small(ext, r, kept):
+@pytest.mark.parametrize(("r", "kept"), [(33, True), (32, False), (36, False)], ids=["kept", "small-r", "few-tokens"])
+def test_cpu_node_reads_the_adapters_as_the_forward_cast_them(ext, r, kept):
     """bf16 matmuls on float32 adapters: the backward's ``da A`` and ``s gdy B`` read lora_A and lora_B as the
-    forward cast them where they add at most a quarter to what the node saves (``keep_casts``: 4 r <= T, 14 tokens
-    here), and cast them again otherwise. Handed the true casts, every gradient is the one without them, bit for bit;
-    handed wrong ones (2 A and 2 B, exactly), x's gradient (both) and lora_A's (B) move exactly where they are kept;
-    lora_A's version is still checked."""
-    x, w, b, _, _, _ = _inputs(torch.bfloat16, r=r)
-    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, r=r)
+    forward cast them above rank 32 where they add at most a quarter to what the node saves (``keep_casts``:
+    4 r <= T, 140 tokens here), and cast them again otherwise. Handed the true casts, every gradient is the one
+    without them, bit for bit; handed wrong ones (2 A and 2 B, exactly), x's gradient (both) and lora_A's (B) move
+    exactly where they are kept; lora_A's version is still checked."""
+    x, w, b, _, _, _ = _inputs(torch.bfloat16, t=70, r=r)
+    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, t=70, r=r)
     scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
-    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    dy = torch.randn(2, 70, 40, dtype=torch.bfloat16)
     bf16 = torch.bfloat16
 
     def grads(a_cast=None, b_cast=None, bump=False):
@@ -133,10 +133,10 @@ def test_cpu_node_saves_the_casts_as_checkpointing_sees_them(ext):
 
     from torch.utils.checkpoint import checkpoint
 
-    x, w, b, _, _, _ = _inputs(torch.bfloat16, r=3)
-    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, r=3)
+    x, w, b, _, _, _ = _inputs(torch.bfloat16, t=70, r=33)
+    _, _, _, lora_A, lora_B, mag = _inputs(torch.float32, t=70, r=33)
     scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
-    dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    dy = torch.randn(2, 70, 40, dtype=torch.bfloat16)
     casts = []
 
     def layer(x):

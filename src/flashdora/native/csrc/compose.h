@@ -37,9 +37,12 @@ inline bool cast_b_first(const at::Tensor& lora_B, int64_t t, c10::ScalarType cd
 }
 
 // Whether a node keeps the forward's casts of lora_A and lora_B to the matmul dtype (r x d_in, d_out x r) for its
-// backward instead of casting them again there: where they add at most about a quarter to the [T, r + d_out (+ d_in)]
-// it saves anyway (4 r <= T). PEFT LoRA's matmul nodes keep theirs at any T.
-inline bool keep_casts(int64_t t, int64_t r) { return 4 * r <= t; }
+// backward instead of casting them again there: above rank kKeepCastsAboveR, where the casts' GPU time counts (below
+// it a cast takes a microsecond or two, and under checkpointing the saved-tensor hooks of a kept one cost the host
+// about what the cast launch they spare does), and where they add at most about a quarter to the
+// [T, r + d_out (+ d_in)] the node saves anyway (4 r <= T). PEFT LoRA's matmul nodes keep theirs at any rank and T.
+constexpr int64_t kKeepCastsAboveR = 32;
+inline bool keep_casts(int64_t t, int64_t r) { return r > kKeepCastsAboveR && 4 * r <= t; }
 
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>
