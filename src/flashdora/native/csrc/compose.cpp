@@ -283,7 +283,11 @@ py::object forward(const at::Tensor& result, const at::Tensor& x, const at::Tens
   TORCH_CHECK(a.scalar_type() == cd, "flashdora.native: the LoRA A matmul gave an unexpected dtype");
   // ops/compose.py `after_base`: the A matmul's backward waits for the base layer's (seq: below the base's nodes).
   if (train && seq >= 0 && a.grad_fn()) a.grad_fn()->set_sequence_nr(static_cast<uint64_t>(seq));
-  at::Tensor b = cast_b ? lora_B.to(cd) : lora_B;
+  at::Tensor b = lora_B;
+  if (cast_b) {
+    at::NoGradGuard no_grad;  // (what the kernel reads, and the node may keep: no history)
+    b = lora_B.to(cd);
+  }
   at::Tensor y = at::empty_like(result, at::MemoryFormat::Contiguous);
   at::Tensor inner = train ? at::empty_like(result, at::MemoryFormat::Contiguous) : y;
   launch_forward(*fwd, result, a, b, lx_base ? &*lx_base : nullptr, bias ? &bias_c : nullptr, scales, y, inner,
