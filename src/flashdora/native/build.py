@@ -83,11 +83,9 @@ def load(build: bool = True):
         return None
     path = directory()
     if fresh:
-        print(
-            f"flashdora: building its C++ extension {name()} into {path} (once per machine, torch version and "
-            "flashdora source; `flashdora build` does it ahead; FLASHDORA_NATIVE=0 skips it) ...",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            f"building its C++ extension {name()} into {path} (once per machine, torch version and flashdora source; "
+            "`flashdora build` does it ahead; FLASHDORA_NATIVE=0 skips it) ..."
         )
         _wait_for_lock(path)
     t0 = time.perf_counter()
@@ -95,8 +93,13 @@ def load(build: bool = True):
     _state = "loaded" if _module is not None else "failed"
     if fresh and _module is not None:
         seconds = time.perf_counter() - t0
-        print(f"flashdora: built {name()} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        _say(f"built {name()} in {seconds:.1f} s")
     return _module
+
+
+def _say(message: str) -> None:
+    """A line on stderr, at once: what a build does while the caller waits."""
+    print(f"flashdora: {message}", file=sys.stderr, flush=True)
 
 
 LOCK_STALE_S = 600  # a build's lock older than this (a build takes a minute or two) is one a stopped build left
@@ -117,24 +120,18 @@ def _wait_for_lock(path: Path) -> None:
         except OSError:
             return  # no lock (or the other build finished)
         if age > LOCK_STALE_S:
-            print(
-                f"flashdora: removing {lock}, left {age / 60:.0f} min ago by a build that was stopped",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"removing {lock}, left {age / 60:.0f} min ago by a build that was stopped")
             lock.unlink(missing_ok=True)
             return
         now = time.monotonic()
         if said is None:
-            print(
-                f"flashdora: waiting for another process's build of {name()} ({lock}; if none runs, one was stopped "
-                f"midway: delete that file, or the wait ends when it is {LOCK_STALE_S // 60} min old)",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"waiting for another process's build of {name()} ({lock}; if none runs, one was stopped midway: "
+                f"delete that file, or the wait ends when it is {LOCK_STALE_S // 60} min old)"
             )
             said = now
         elif now - said >= LOCK_SAY_S:
-            print(f"flashdora: still waiting for {lock} ({age:.0f} s old)", file=sys.stderr, flush=True)
+            _say(f"still waiting for {lock} ({age:.0f} s old)")
             said = now
         time.sleep(LOCK_POLL_S)
 
