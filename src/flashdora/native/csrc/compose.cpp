@@ -134,10 +134,7 @@ void fill_node(ComposeBackward& node, const at::Tensor& a, const at::Tensor& lor
   node.a_ = SavedVariable(a, false);
   node.inner_ = SavedVariable(inner, false);
   node.lora_B_ = lora_B;
-  const int64_t r = a.size(-1);
-  if (b.scalar_type() != lora_B.scalar_type() && r > 0 && keep_casts(a.numel() / r, r)) {
-    node.b_cast_ = SavedVariable(b, false);
-  }
+  if (b.scalar_type() != lora_B.scalar_type() && keep_casts(a)) node.b_cast_ = SavedVariable(b, false);
   node.b_version_ = lora_B._version();
   node.scales_ = scales;
   node.lx_base_ = lx_base;

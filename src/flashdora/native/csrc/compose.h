@@ -41,8 +41,12 @@ inline bool cast_b_first(const at::Tensor& lora_B, int64_t t, c10::ScalarType cd
 // it a cast takes a microsecond or two, and under checkpointing the saved-tensor hooks of a kept one cost the host
 // about what the cast launch they spare does), and where they add at most about a quarter to the
 // [T, r + d_out (+ d_in)] the node saves anyway (4 r <= T). PEFT LoRA's matmul nodes keep theirs at any rank and T.
+// `a`: the LoRA A output, [..., r] over T tokens.
 constexpr int64_t kKeepCastsAboveR = 32;
-inline bool keep_casts(int64_t t, int64_t r) { return r > kKeepCastsAboveR && 4 * r <= t; }
+inline bool keep_casts(const at::Tensor& a) {
+  const int64_t r = a.size(-1);
+  return r > kKeepCastsAboveR && 4 * r <= a.numel() / r;
+}
 
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>

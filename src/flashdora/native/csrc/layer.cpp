@@ -103,10 +103,7 @@ void hang(const at::Tensor& y, const at::Tensor& x, const at::Tensor& weight, co
   auto node = make_node<T>();
   node->set_next_edges(torch::autograd::collect_next_edges(x, lora_A, lora_B, magnitude));
   fill_node(*node, a, lora_B, inner, scales, scaling, false, b);
-  const int64_t r = a.size(-1);
-  if (a_cast.defined() && x.requires_grad() && r > 0 && keep_casts(a.numel() / r, r)) {
-    node->a_cast_ = SavedVariable(a_cast, false);
-  }
+  if (a_cast.defined() && x.requires_grad() && keep_casts(a)) node->a_cast_ = SavedVariable(a_cast, false);
   if (lora_A.requires_grad()) node->x_ = SavedVariable(x, false);  // (read by dA alone)
   node->x_sizes_ = x.sizes().vec();
   node->weight_ = weight;
