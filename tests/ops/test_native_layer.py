@@ -31,12 +31,13 @@ def _inputs(dtype, t=7, d_in=24, d_out=40, r=5, bias=True, device="cpu"):
     return x, w, b, lora_A, lora_B, mag
 
 
-def _eager_node(ext, x, w, b, lora_A, lora_B, mag, scales, s):
-    """y with the layer's node (ATen twin) hung on it."""
+def _eager_node(ext, x, w, b, lora_A, lora_B, mag, scales, s, a_cast=None, b_cast=None):
+    """y with the layer's node (ATen twin) hung on it; the matmuls in x's dtype (lora_A cast to it, as the layer call
+    casts float32 adapters under autocast). ``a_cast``, ``b_cast``: the forward's casts handed to the node."""
     with torch.no_grad():
-        result, a = F.linear(x, w, b), F.linear(x, lora_A)
+        result, a = F.linear(x, w, b), F.linear(x, lora_A.to(x.dtype))
         y, inner = C._fwd(result, a, None, b, lora_B, scales, s, x.dtype, True, False)
-    ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, s)
+    ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, s, a_cast=a_cast, b=b_cast)
     return y
 
 
@@ -70,10 +71,7 @@ def test_cpu_node_with_16_bit_matmuls_and_float32_adapters(ext):
     _, _, _, lora_A, lora_B, mag = _inputs(torch.float32)
     scales = fresh(w.float(), lora_A.detach(), lora_B.detach(), mag.detach(), 0.5, "eager")[1]
     dy = torch.randn(2, 7, 40, dtype=torch.bfloat16)
-    with torch.no_grad():
-        result, a = F.linear(x, w, b), F.linear(x, lora_A.to(torch.bfloat16))
-        y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, torch.bfloat16, True, False)
-    ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5)
+    y = _eager_node(ext, x, w, b, lora_A, lora_B, mag, scales, 0.5)
     got = torch.autograd.grad(y, (x, lora_A, lora_B, mag), dy)
     result, a = F.linear(x, w, b), F.linear(x, lora_A.to(torch.bfloat16))
     ref = C.ComposeFunction.apply(result, a, None, b, lora_B, mag, scales, 0.5, torch.bfloat16, False)
@@ -101,10 +99,7 @@ def test_cpu_node_reads_the_adapters_as_the_forward_cast_them(ext, r, kept):
     bf16 = torch.bfloat16
 
     def grads(a_cast=None, b_cast=None, bump=False):
-        with torch.no_grad():
-            result, a = F.linear(x, w, b), F.linear(x, lora_A.to(bf16))
-            y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, bf16, True, False)
-        ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5, a_cast=a_cast, b=b_cast)
+        y = _eager_node(ext, x, w, b, lora_A, lora_B, mag, scales, 0.5, a_cast, b_cast)
         if bump:
             with torch.no_grad():
                 lora_A.add_(0.0)
@@ -139,11 +134,7 @@ def test_cpu_node_saves_the_casts_as_checkpointing_sees_them(ext):
     def layer(x):
         a_cast, b_cast = lora_A.detach().to(torch.bfloat16), lora_B.detach().to(torch.bfloat16)
         casts.extend((weakref.ref(a_cast), weakref.ref(b_cast)))
-        with torch.no_grad():
-            result, a = F.linear(x, w, b), F.linear(x, a_cast)
-            y, inner = C._fwd(result, a, None, b, lora_B, scales, 0.5, torch.bfloat16, True, False)
-        ext.attach_layer_eager(y, x, w, lora_A, lora_B, mag, a, inner, scales, 0.5, a_cast=a_cast, b=b_cast)
-        return y
+        return _eager_node(ext, x, w, b, lora_A, lora_B, mag, scales, 0.5, a_cast, b_cast)
 
     y = layer(x)
     assert all(ref() is not None for ref in casts)  # held by the graph until its backward
