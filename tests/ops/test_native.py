@@ -23,6 +23,16 @@ def _layer(device, dtype, adapter_dtype, t=7, d_in=24, d_out=40, r=5):
     return x, w, lora_A, lora_B, mag
 
 
+def _eager_node(ext, x, w, lora_A, lora_B, mag, scales, s, dtype, b=None):
+    """``y`` of the compose on ``x``'s layer (``lora_A`` cast to ``dtype``) with the node's ATen twin hung on it;
+    ``b``: lora_B as the forward kernel read it (``attach_eager``'s)."""
+    result, a = F.linear(x, w), F.linear(x, lora_A.to(dtype))
+    with torch.no_grad():
+        y, inner = C._fwd(result, a, None, None, lora_B, scales, s, dtype, True, False)
+    ext.attach_eager(y, result, a, lora_B, mag, inner, scales, s, b=b)
+    return y
+
+
 @pytest.mark.parametrize("s", [0.5, 0.3])
 @pytest.mark.parametrize("dropout", [False, True, "no-grad"], ids=["plain", "lx_base", "lx_base-no-grad"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -66,10 +76,7 @@ def test_cpu_node_reads_lora_B_as_the_forward_cast_it(ext, r, kept):
     dy = torch.randn(2, 70, 40, dtype=torch.bfloat16)
 
     def grads(b=None, bump=False):
-        result, a = F.linear(x, w), F.linear(x, lora_A.to(torch.bfloat16))
-        with torch.no_grad():
-            y, inner = C._fwd(result, a, None, None, lora_B, scales, 0.5, torch.bfloat16, True, False)
-        ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 0.5, b=b)
+        y = _eager_node(ext, x, w, lora_A, lora_B, mag, scales, 0.5, torch.bfloat16, b)
         if bump:
             with torch.no_grad():
                 lora_B.add_(0.0)
@@ -90,19 +97,12 @@ def test_cpu_node_checks(ext):
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
 
-    def forward():
-        result, a = F.linear(x, w), F.linear(x, lora_A)
-        with torch.no_grad():
-            y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
-        ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 1.0)
-        return y
-
-    y = forward()
+    y = _eager_node(ext, x, w, lora_A, lora_B, mag, scales, 1.0, torch.float64)
     with torch.no_grad():
         lora_B.add_(1.0)
     with pytest.raises(RuntimeError, match="lora_B was modified by an inplace operation"):
         y.sum().backward()
-    y = forward()
+    y = _eager_node(ext, x, w, lora_A, lora_B, mag, scales, 1.0, torch.float64)
     y.sum().backward()
     with pytest.raises(RuntimeError, match="retain_graph=True"):
         y.sum().backward()
@@ -115,10 +115,7 @@ def test_double_backward_is_refused_on_both_paths(ext):
     (``flashdora.double_backward``, tests/test_double_backward.py). Never silently wrong second-order gradients."""
     x, w, lora_A, lora_B, mag = _layer("cpu", torch.float64, torch.float64)
     scales = fresh(w, lora_A.detach(), lora_B.detach(), mag.detach(), 1.0, "eager")[1]
-    result, a = F.linear(x, w), F.linear(x, lora_A)
-    with torch.no_grad():
-        y, inner = C._fwd(result, a, None, None, lora_B, scales, 1.0, torch.float64, True, False)
-    ext.attach_eager(y, result, a, lora_B, mag, inner, scales, 1.0)
+    y = _eager_node(ext, x, w, lora_A, lora_B, mag, scales, 1.0, torch.float64)
     with pytest.raises(RuntimeError) as cpp:
         torch.autograd.grad(y.sum(), x, create_graph=True)
     assert C.DOUBLE_BACKWARD in str(cpp.value)
