@@ -278,6 +278,25 @@ def test_model_host_refuses_compile():
         main(["bench", "model", "--preset", "tiny", "--host", "--compile", "--device", "cpu"])
 
 
+def test_kernel_ms_of_a_row_is_the_median_of_three_profiled_steps(monkeypatch):
+    """``host.view``: on CUDA a row's ``kernel_ms`` is the median of ``KERNEL_STEPS`` profiled steps (each one's in
+    ``kernel_ms_steps``), per generated token in ``decode``; on the CPU, none."""
+    from types import SimpleNamespace
+
+    from flashdora.tools.bench import host
+
+    assert host.KERNEL_STEPS == 3
+    times = iter([3.0, 1.0, 2.5, 8.0, 4.0, 6.0])
+    monkeypatch.setattr(host, "kernel_ms", lambda fn, device: next(times))
+    monkeypatch.setattr(host.timing, "is_cuda", lambda device: True)
+    args = SimpleNamespace(new_tokens=2, host=False)
+    assert host.view(None, None, "train", args, "cuda") == {"kernel_ms": 2.5, "kernel_ms_steps": [3.0, 1.0, 2.5]}
+    assert host.view(None, None, "decode", args, "cuda") == {"kernel_ms": 3.0, "kernel_ms_steps": [4.0, 2.0, 3.0]}
+    monkeypatch.setattr(host.timing, "is_cuda", lambda device: False)
+    monkeypatch.setattr(host, "kernel_ms", lambda fn, device: None)
+    assert host.view(None, None, "train", args, "cpu") == {"kernel_ms": None}
+
+
 @pytest.mark.gpu
 def test_gpu_kernel_ms_is_the_gpu_time_of_a_step():
     """``host.kernel_ms``: the profiled device time of one call, about a matmul's CUDA-event time."""

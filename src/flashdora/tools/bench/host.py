@@ -1,8 +1,10 @@
 """``flashdora bench model``'s view of the host: a step's GPU kernel time and host gap, and (``--host``) the host
 time of a LoRA layer call by phase.
 
-- ``kernel_ms``: the device time of every kernel, copy and fill of one step (``torch.profiler``, one extra untimed
-  step). A row's ``host_gap_ms`` is its median wall time minus that: time the GPU waited for the host.
+- ``kernel_ms``: the device time of every kernel, copy and fill of a step (``torch.profiler``), the median of
+  ``KERNEL_STEPS`` extra untimed steps (``kernel_ms_steps``: each one's): a step's kernel time moves by about 1% from
+  step to step, as much as the host gaps differ at four sequences. A row's ``host_gap_ms`` is its median wall time
+  minus that: time the GPU waited for the host.
 - ``--host``: one more untimed step per mode with timers around the mode's LoRA layer classes' ``forward`` (split
   into the forward and checkpointing's recomputation: a call while autograd runs a backward is a recomputation),
   the backward of the node each layer call returns (flashdora's compose; PEFT LoRA's last op, an add, says little),
@@ -27,6 +29,7 @@ import torch
 from flashdora.tools.bench import timing
 
 PHASES = ("forward", "recompute", "backward", "norm_miss", "optimizer")
+KERNEL_STEPS = 3  # profiled steps behind a row's kernel_ms (their median)
 
 
 def kernel_ms(fn, device, by_name: dict | None = None) -> float | None:
@@ -168,11 +171,15 @@ def _time_backward(node, spans, drain, clock) -> None:
 
 
 def view(model, fn, phase: str, args, device) -> dict:
-    """A row's ``kernel_ms`` (per generated token in ``decode``; ``gap`` makes its ``host_gap_ms`` once its ``ms``
-    is known) and, with ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
+    """A row's ``kernel_ms``, the median of ``KERNEL_STEPS`` profiled calls of ``fn``, and ``kernel_ms_steps``
+    (per generated token in ``decode``; ``gap`` makes its ``host_gap_ms`` once its ``ms`` is known) and, with
+    ``--host``, ``host``: ``host_phases`` (not in ``decode``)."""
     per = args.new_tokens if phase == "decode" else 1
-    k = kernel_ms(fn, device)
-    out = {"kernel_ms": None if k is None else k / per}
+    steps = [kernel_ms(fn, device) for _ in range(KERNEL_STEPS if timing.is_cuda(device) else 1)]
+    if steps[0] is None:
+        out = {"kernel_ms": None}
+    else:
+        out = {"kernel_ms": statistics.median(steps) / per, "kernel_ms_steps": [k / per for k in steps]}
     if getattr(args, "host", False) and phase != "decode":
         out["host"] = host_phases(model, fn, device)
     return out

@@ -98,8 +98,8 @@ def render_markdown(result: dict) -> str:
                 "compiles and autotuning, cuBLAS's first calls; first ms: wall time "
                 "of the first (cold) step alone."
                 + (
-                    " GPU ms: the device time of one more step's kernels, copies and fills (torch.profiler); host "
-                    "gap ms: ms minus GPU ms, the time the GPU waited for the host."
+                    " GPU ms: the device time of a step's kernels, copies and fills (torch.profiler), the median "
+                    "of three more steps; host gap ms: ms minus GPU ms, the time the GPU waited for the host."
                     if gpu
                     else ""
                 ),
