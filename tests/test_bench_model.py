@@ -1,8 +1,10 @@
 """``flashdora bench model`` on tiny CPU configs: result files, phases, rounds, quantized bases, dropout modes (no
 timing asserts)."""
 
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import transformers
 
 import flashdora
 import flashdora.native
-from flashdora.tools.bench import model, model_phases
+from flashdora.tools.bench import model, model_phases, model_render
 from flashdora.tools.cli import main
 from tests.bench_helpers import check_header, md_row, run_bench
 
@@ -298,6 +300,18 @@ def test_kernel_ms_of_a_row_is_the_median_of_three_profiled_steps(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_the_markdown_says_how_many_steps_a_gpu_time_is_the_median_of():
+    """A result made before ``KERNEL_STEPS`` (no ``kernel_ms_steps``) is rendered again as one profiled step's."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for name, says in [
+        ("2026-12-07_nvidia-h100-80gb-hbm3_model-s14-frozen1-r384-16l.json", "the median of 3 more steps"),
+        ("2026-12-07_nvidia-h100-80gb-hbm3_model-host-r384-16l.json", "in one more step"),
+    ]:
+        result = json.loads((results / name).read_text())
+        text = model_render.render_markdown(result)
+        assert says in text and "more steps;" not in text.replace(says, ""), name
+
+
 def test_gpu_kernel_ms_is_the_gpu_time_of_a_step():
     """``host.kernel_ms``: the profiled device time of one call, about a matmul's CUDA-event time."""
     from flashdora.tools.bench import host

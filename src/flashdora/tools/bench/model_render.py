@@ -38,6 +38,7 @@ def render_markdown(result: dict) -> str:
 
     rounds = any("round_ms" in r for r in recs)
     gpu = any(r.get("kernel_ms") is not None for r in recs)
+    profiled = max((len(r.get("kernel_ms_steps") or [0]) for r in recs), default=1)  # (older files kept one step's)
     interleaved = record.interleaved(result)
     columns = [
         "preset",
@@ -98,8 +99,9 @@ def render_markdown(result: dict) -> str:
                 "compiles and autotuning, cuBLAS's first calls; first ms: wall time "
                 "of the first (cold) step alone."
                 + (
-                    " GPU ms: the device time of a step's kernels, copies and fills (torch.profiler), the median "
-                    "of three more steps; host gap ms: ms minus GPU ms, the time the GPU waited for the host."
+                    " GPU ms: the device time of a step's kernels, copies and fills (torch.profiler), "
+                    + (f"the median of {profiled} more steps" if profiled > 1 else "in one more step")
+                    + "; host gap ms: ms minus GPU ms, the time the GPU waited for the host."
                     if gpu
                     else ""
                 ),
