@@ -299,7 +299,6 @@ def test_kernel_ms_of_a_row_is_the_median_of_three_profiled_steps(monkeypatch):
     assert host.view(None, None, "train", args, "cpu") == {"kernel_ms": None}
 
 
-@pytest.mark.gpu
 def test_the_markdown_says_how_many_steps_a_gpu_time_is_the_median_of():
     """A result made before ``KERNEL_STEPS`` (no ``kernel_ms_steps``) is rendered again as one profiled step's."""
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -312,6 +311,7 @@ def test_the_markdown_says_how_many_steps_a_gpu_time_is_the_median_of():
         assert says in text and "more steps;" not in text.replace(says, ""), name
 
 
+@pytest.mark.gpu
 def test_gpu_kernel_ms_is_the_gpu_time_of_a_step():
     """``host.kernel_ms``: the profiled device time of one call, about a matmul's CUDA-event time."""
     from flashdora.tools.bench import host
