@@ -95,9 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ComposeBackward::eage
 }
 
 at::Tensor ComposeBackward::d_a(const at::Tensor& gdy2, c10::ScalarType type, const at::Tensor& b_cast) const {
-  at::Tensor b = lora_B_.scalar_type() == type                       ? lora_B_
-                 : b_cast.defined() && b_cast.scalar_type() == type ? b_cast
-                                                                     : lora_B_.to(type);
+  const at::Tensor b = in_dtype(lora_B_, b_cast, type);
   return alpha_ == 1.0 ? at::mm(gdy2, b) : at::addmm(zero_, gdy2, b, 0, alpha_);
 }
 

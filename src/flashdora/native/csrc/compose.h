@@ -48,6 +48,13 @@ inline bool keep_casts(const at::Tensor& a) {
   return r > kKeepCastsAboveR && 4 * r <= a.numel() / r;
 }
 
+// An adapter weight in the matmul dtype `type`: the parameter itself where it has that dtype, else the forward's
+// kept cast (`keep_casts`; undefined when none was kept), else a new cast.
+inline at::Tensor in_dtype(const at::Tensor& weight, const at::Tensor& kept, c10::ScalarType type) {
+  if (weight.scalar_type() == type) return weight;
+  return kept.defined() && kept.scalar_type() == type ? kept : weight.to(type);
+}
+
 // A new node of type T, owned the way this torch owns nodes (std::shared_ptr up to 2.12, c10::intrusive_ptr after).
 template <typename T>
 auto make_node() {

@@ -70,8 +70,7 @@ struct LayerBackward : public ComposeBackward {
       }
       if (should_compute_output(0)) {  // gdy W + da A: [T, d_in]
         at::Tensor dx = at::mm(gdy2, weight_);
-        at::Tensor a_cast = a_cast_.unpack(getptr());
-        dx.addmm_(da, lora_A_.scalar_type() == cd_ ? lora_A_ : a_cast.defined() ? a_cast : lora_A_.to(cd_));
+        dx.addmm_(da, in_dtype(lora_A_, a_cast_.unpack(getptr()), cd_));
         out[0] = dx.view(x_sizes_);
       }
     }
